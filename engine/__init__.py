@@ -1,0 +1,1 @@
+"""The kvpilot inference engine: paged KV cache, continuous batching, OpenAI-compatible server."""

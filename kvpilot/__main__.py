@@ -1,0 +1,5 @@
+import sys
+
+from kvpilot.cli import main
+
+sys.exit(main())

@@ -1,0 +1,66 @@
+"""The metrics contract between the engine (which exports) and the operator (which reads).
+
+Defined once, with no heavy imports, so the operator's image never needs torch.
+Names follow Prometheus conventions: the ``kvpilot_`` prefix, base units in the
+name (``_seconds``, ``_ratio``), and ``_total`` on counters. prometheus_client
+appends ``_total`` to a Counter's name by itself, so counters are listed here
+by their exposed name and the engine strips the suffix when it registers them
+(see ``counter_base_name``).
+
+docs/metrics.md maps each one to its vLLM counterpart.
+"""
+
+from __future__ import annotations
+
+# Gauges: sampled at scrape time.
+REQUESTS_RUNNING = "kvpilot_num_requests_running"
+REQUESTS_WAITING = "kvpilot_num_requests_waiting"
+KV_CACHE_USAGE = "kvpilot_kv_cache_usage_ratio"  # blocks in use / blocks total
+KV_CACHE_BLOCKS = "kvpilot_kv_cache_blocks"  # blocks the engine was given at start-up
+KV_CACHE_UTILIZATION = "kvpilot_kv_cache_utilization_ratio"  # tokens stored / token slots held
+MAX_NUM_SEQS = "kvpilot_max_num_seqs"
+MAX_NUM_BATCHED_TOKENS = "kvpilot_max_num_batched_tokens"
+GPU_MEMORY_UTILIZATION = "kvpilot_gpu_memory_utilization"
+MODEL_INFO = "kvpilot_model_info"  # value 1; labels describe the served model
+
+# Counters (exposed names).
+PREEMPTIONS = "kvpilot_preemptions_total"
+PREFIX_CACHE_QUERIES = "kvpilot_prefix_cache_queries_total"  # prompt tokens looked up
+PREFIX_CACHE_HITS = "kvpilot_prefix_cache_hits_total"  # prompt tokens found cached
+PROMPT_TOKENS = "kvpilot_prompt_tokens_total"
+GENERATION_TOKENS = "kvpilot_generation_tokens_total"
+REQUEST_SUCCESS = "kvpilot_request_success_total"  # label: finish_reason
+ENGINE_STEPS = "kvpilot_engine_steps_total"  # scheduler iterations that ran a forward
+STEP_RUNNING_SEQS = "kvpilot_step_running_seqs_total"  # running requests summed over steps
+
+# Histograms (base names; the exposition adds _bucket, _sum and _count).
+TIME_TO_FIRST_TOKEN = "kvpilot_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "kvpilot_inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = "kvpilot_e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME = "kvpilot_request_queue_time_seconds"
+
+FINISH_REASON_LABEL = "finish_reason"
+MODEL_NAME_LABEL = "model_name"
+
+# Buckets that resolve both a 2-core CPU (tens to hundreds of ms per step) and
+# a GPU (a few ms per decode step).
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+INTER_TOKEN_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.06, 0.075, 0.09, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
+    120.0, 240.0, 480.0, 960.0,
+)
+
+
+def counter_base_name(exposed_name: str) -> str:
+    """The name to give prometheus_client.Counter so that it exposes ``exposed_name``."""
+    if not exposed_name.endswith("_total"):
+        raise ValueError(f"counter name {exposed_name!r} must end in _total")
+    return exposed_name[: -len("_total")]

@@ -1,0 +1,1 @@
+"""The kvpilot Kubernetes operator (kopf)."""
