@@ -1,0 +1,18 @@
+"""Llama-family models (Llama 2/3, Mistral, Qwen2) loaded from local Hugging Face folders."""
+
+from kvpilot.engine.models.config import SUPPORTED_ARCHITECTURES, ModelArch, RopeScaling, read_model_arch
+from kvpilot.engine.models.errors import ModelLoadError
+from kvpilot.engine.models.llama import CausalLM
+from kvpilot.engine.models.loader import SUPPORTED_DTYPES, load_model, load_tokenizer
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_DTYPES",
+    "CausalLM",
+    "ModelArch",
+    "ModelLoadError",
+    "RopeScaling",
+    "load_model",
+    "load_tokenizer",
+    "read_model_arch",
+]

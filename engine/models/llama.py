@@ -1,0 +1,145 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat, variable-length batch.
+
+Weights are laid out for CPU speed: q/k/v are one matmul (``qkv_proj``) and gate/up are one
+matmul (``gate_up_proj``); the loader fuses the Hugging Face tensors into them. Numerics
+follow transformers' reference implementation (RMSNorm in float32, RoPE in the model dtype
+with float32 angles) so logits match it closely.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.engine.attention import AttentionBackend, AttentionMetadata
+from kvpilot.engine.models.config import ModelArch, RopeScaling
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised on purpose: the loader (or make_model) fills every parameter.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] float32, with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        assert scaling.original_max_position_embeddings is not None
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, 1, head_dim] (halves repeated)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.arch = arch
+        hidden, head_dim = arch.hidden_size, arch.head_dim
+        self.q_size = arch.num_heads * head_dim
+        self.kv_size = arch.num_kv_heads * head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.input_layernorm = _empty(hidden, **kw)
+        self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, hidden, **kw)
+        self.qkv_bias = _empty(self.q_size + 2 * self.kv_size, **kw) if arch.qkv_bias else None
+        self.o_proj = _empty(hidden, self.q_size, **kw)
+        self.o_bias = _empty(hidden, **kw) if arch.o_proj_bias else None
+        self.post_attention_layernorm = _empty(hidden, **kw)
+        self.gate_up_proj = _empty(2 * arch.intermediate_size, hidden, **kw)
+        self.gate_up_bias = _empty(2 * arch.intermediate_size, **kw) if arch.mlp_bias else None
+        self.down_proj = _empty(hidden, arch.intermediate_size, **kw)
+        self.down_bias = _empty(hidden, **kw) if arch.mlp_bias else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        arch = self.arch
+        num_tokens = hidden.shape[0]
+        residual = hidden
+        x = rms_norm(hidden, self.input_layernorm, arch.rms_norm_eps)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, arch.num_heads, arch.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
+        v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+        attn = backend.forward(q, k, v, kv_cache, metadata, arch.attention_scale)  # [num_tokens, heads, head_dim]
+        hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
+
+        residual = hidden
+        x = rms_norm(hidden, self.post_attention_layernorm, arch.rms_norm_eps)
+        gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)  # [num_tokens, 2 * intermediate]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return residual + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+
+
+class CausalLM(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head of a Llama-family model."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.arch = arch
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = _empty(arch.vocab_size, arch.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device) for _ in range(arch.num_layers))
+        self.norm = _empty(arch.hidden_size, **kw)
+        self.lm_head = None if arch.tie_word_embeddings else _empty(arch.vocab_size, arch.hidden_size, **kw)
+        inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        angles = torch.outer(torch.arange(arch.max_position_embeddings, dtype=torch.float32), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata, backend)
+        return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size] float32."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()
