@@ -1,0 +1,122 @@
+"""`kvpilot local-cluster build|bin-dir|up|down|status|kubeconfig` (argparse only at import)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "local-cluster",
+        help="a real local Kubernetes control plane with fake GPU nodes",
+        description=(
+            "etcd, kube-apiserver, kube-controller-manager and kube-scheduler built from the "
+            "Go module proxy, two fake GPU nodes (nvidia.com/gpu: 4 each) and a local kubelet "
+            "that runs pods as processes on 127.0.1.N. "
+            "Start with: kvpilot local-cluster up && export KUBECONFIG=$(kvpilot local-cluster kubeconfig)"
+        ),
+    )
+    commands = parser.add_subparsers(dest="local_cluster_command", metavar="ACTION", required=True)
+
+    def add(name: str, func, help_text: str, state: bool = True) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        if state:
+            sub.add_argument(
+                "--state-dir",
+                type=Path,
+                default=None,
+                help="folder holding the cluster's state "
+                "(default: $KVPILOT_LOCAL_CLUSTER_DIR or $KVPILOT_CACHE/local-cluster)",
+            )
+        sub.set_defaults(func=func)
+        return sub
+
+    add("build", _build, "build the missing control-plane binaries (needs Go; cached per pinned versions)", False)
+    add("bin-dir", _bin_dir, "print the folder holding the built binaries (etcd, kube-*, kubectl, helm)", False)
+    add("up", _up, "start the cluster (reports it if already running) and wait until nodes are Ready")
+    add("down", _down, "stop exactly the processes `up` started, and their pods")
+    add("status", _status, "report each component as running or crashed")
+    add("kubeconfig", _kubeconfig, "print the admin kubeconfig's path")
+
+
+def _cluster(args):
+    from kvpilot.localcluster.cluster import LocalCluster
+    from kvpilot.localcluster.state import default_state_dir
+
+    return LocalCluster(args.state_dir or default_state_dir())
+
+
+def _build(args) -> int:
+    from kvpilot.localcluster.build import BuildError, build
+
+    try:
+        build()
+    except BuildError as exc:
+        print(f"kvpilot local-cluster build: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _bin_dir(args) -> int:
+    from kvpilot.localcluster.build import BuildError, bin_dir
+
+    try:
+        print(bin_dir())
+    except BuildError as exc:
+        print(f"kvpilot local-cluster bin-dir: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _up(args) -> int:
+    from kvpilot.localcluster.build import BuildError
+    from kvpilot.localcluster.cluster import ClusterError
+
+    cluster = _cluster(args)
+    try:
+        result = cluster.up()
+    except (ClusterError, BuildError) as exc:
+        print(f"kvpilot local-cluster up: {exc}", file=sys.stderr)
+        return 1
+    summary = cluster.summary(result.record)
+    if result.already_running:
+        print(f"already running: {summary['server']} (state in {summary['state_dir']})")
+    else:
+        print(f"cluster up in {result.seconds:.1f}s: {summary['server']}, nodes {', '.join(summary['nodes'])}")
+    print(f"export KUBECONFIG={summary['kubeconfig']}")
+    print(f"export PATH={summary['bin_dir']}:$PATH   # kubectl and helm")
+    return 0
+
+
+def _down(args) -> int:
+    stopped = _cluster(args).down()
+    print(f"stopped: {', '.join(stopped)}" if stopped else "no running cluster")
+    return 0
+
+
+def _status(args) -> int:
+    from kvpilot.localcluster.cluster import Health
+
+    cluster = _cluster(args)
+    statuses = cluster.status()
+    if statuses is None:
+        print(f"no cluster in {cluster.state.root} (start one with `kvpilot local-cluster up`)")
+        return 3
+    for status in statuses:
+        print(f"{status.name:<24} {status.health.value:<8} pid {status.pid:<8} log {status.log}")
+    crashed = [s for s in statuses if s.health is Health.CRASHED]
+    if crashed:
+        print("crashed: " + ", ".join(s.name for s in crashed) + "; see their logs, then `down` and `up`")
+        return 1
+    return 0
+
+
+def _kubeconfig(args) -> int:
+    cluster = _cluster(args)
+    if not cluster.kubeconfig.exists():
+        print(f"no kubeconfig in {cluster.state.root}: run `kvpilot local-cluster up` first", file=sys.stderr)
+        return 1
+    print(cluster.kubeconfig)
+    return 0

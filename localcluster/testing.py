@@ -1,0 +1,137 @@
+"""One local cluster shared by every test suite of a pytest session (tests/e2e, tests/localcluster).
+
+Each suite's conftest has a session fixture that calls ``acquire()`` and, at
+teardown, ``release()``; the cluster comes up on the first acquire and goes
+down on the last release, so a session pays for one start however many suites
+use it. Nothing here imports pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpilot.localcluster import processes
+from kvpilot.localcluster.cluster import LocalCluster, read_pod_pids
+from kvpilot.localcluster.nodes import GPU_RESOURCE, NODE_NAMES
+from kvpilot.localcluster.state import ClusterRecord, ProcessRecord
+
+
+@dataclass
+class ClusterHandle:
+    """What a test needs to use the cluster."""
+
+    cluster: LocalCluster
+    record: ClusterRecord
+    up_seconds: float
+    _api_clients: list = field(default_factory=list)
+
+    nodes = NODE_NAMES
+    gpu_resource = GPU_RESOURCE
+
+    @property
+    def state_dir(self) -> Path:
+        return self.cluster.state.root
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.cluster.kubeconfig
+
+    @property
+    def bin_dir(self) -> Path:
+        return Path(self.record.bin_dir)
+
+    @property
+    def server(self) -> str:
+        return self.record.apiserver_url
+
+    @property
+    def env(self) -> dict[str, str]:
+        """os.environ plus KUBECONFIG, kubectl/helm on PATH and helm's folders in the state dir."""
+        env = dict(os.environ)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        for name in ("CACHE", "CONFIG", "DATA"):
+            env[f"HELM_{name}_HOME"] = str(self.state_dir / "helm" / name.lower())
+        return env
+
+    def api_client(self):
+        """A fresh kubernetes.client.ApiClient for the admin user; closed at teardown."""
+        from kubernetes import config
+
+        client = config.new_client_from_config(config_file=str(self.kubeconfig))
+        self._api_clients.append(client)
+        return client
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 60) -> subprocess.CompletedProcess:  # fmt: skip
+        return self._run("kubectl", args, input, check, timeout)
+
+    def helm(self, *args: str, input: str | None = None, check: bool = True,
+             timeout: float = 120) -> subprocess.CompletedProcess:  # fmt: skip
+        return self._run("helm", args, input, check, timeout)
+
+    def _run(self, tool: str, args, input, check, timeout) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            [str(self.bin_dir / tool), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"{tool} {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+            )
+        return result
+
+    def pod_pids(self) -> list[tuple[int, int]]:
+        """(pid, start time) of every container process the kubelet runs now."""
+        return read_pod_pids(self.cluster.state)
+
+    def control_plane(self) -> list[ProcessRecord]:
+        return list(self.record.processes)
+
+    def pod_log(self, namespace: str, pod: str, container: str) -> str:
+        folders = sorted(self.cluster.state.pods.glob(f"{namespace}_{pod}_*"))
+        return "".join((f / f"{container}.log").read_text(errors="replace") for f in folders if (f / f"{container}.log").exists())
+
+    def down(self) -> list[str]:
+        """Stops everything; returns a description of each process left behind (should be none)."""
+        for client in self._api_clients:
+            client.close()
+        started = [(p.name, p.pid, p.start_time) for p in self.record.processes]
+        started += [("pod process", pid, start) for pid, start in self.pod_pids()]
+        self.cluster.down()
+        return [f"{name} pid {pid}" for name, pid, start in started if processes.is_alive(pid, start)]
+
+
+_shared: ClusterHandle | None = None
+_users = 0
+
+
+def acquire() -> ClusterHandle:
+    """The session's cluster, started on first use (state in a fresh temp folder)."""
+    global _shared, _users
+    if _shared is None:
+        state_dir = Path(tempfile.mkdtemp(prefix="kvpilot-local-cluster-"))
+        cluster = LocalCluster(state_dir)
+        result = cluster.up()
+        _shared = ClusterHandle(cluster, result.record, result.seconds)
+    _users += 1
+    return _shared
+
+
+def release() -> list[str]:
+    """Drops one user; the last one stops the cluster and gets the processes left behind."""
+    global _shared, _users
+    _users -= 1
+    if _users > 0 or _shared is None:
+        return []
+    handle, _shared = _shared, None
+    return handle.down()
