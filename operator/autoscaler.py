@@ -1,0 +1,186 @@
+"""The autoscaler: desired replicas from demand against measured capacity.
+
+A pure function. Demand is the output-token rate the service is asked for:
+what it served in the window plus its queue, spread over the time a queue
+may take to drain. Capacity is what one Ready replica delivered while it was
+saturated at its tuned ``max_num_seqs`` (the tuner moves it, so it is
+re-measured continuously). Replicas plan to run at ``target_utilization`` of
+that capacity.
+
+Up is fast: straight to the replicas the demand needs. Down is slow: the
+highest recommendation of the stabilization window wins, one replica per
+step, and never with a queue. Pods that are Pending because no node has a
+free GPU are no capacity; while any exist the autoscaler asks for no more,
+and says why.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from kvpilot.operator.metrics import Observation
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    min_replicas: int
+    max_replicas: int
+    target_utilization: float = 0.8
+    queue_drain_seconds: float = 30.0
+    scale_down_stabilization_seconds: float = 300.0
+    scale_down_step: int = 1
+    capacity_smoothing: float = 0.5  # weight of the newest capacity measurement
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"autoscaling needs 0 <= minReplicas <= maxReplicas, got {self.min_replicas}..{self.max_replicas}"
+            )
+        if not 0 < self.target_utilization <= 1:
+            raise ValueError(f"target_utilization must be within (0, 1], got {self.target_utilization}")
+        if self.queue_drain_seconds <= 0 or self.scale_down_stabilization_seconds < 0:
+            raise ValueError("queue_drain_seconds must be positive and the stabilization window non-negative")
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    desired: int  # spec.replicas now
+    ready: int
+    pending_no_gpu: int = 0  # Pending because no node has a free GPU
+
+
+@dataclass(frozen=True)
+class ScalingHistory:
+    recommendations: tuple[tuple[float, int], ...] = ()  # (time, replicas) within the stabilization window
+    capacity_per_replica: float | None = None  # output tokens/s of one saturated Ready replica
+    observed_since: float | None = None  # first recommendation: scale-down waits a full window after it
+
+    def to_dict(self) -> dict:
+        return {
+            "recommendations": [list(r) for r in self.recommendations],
+            "capacityPerReplica": self.capacity_per_replica,
+            "observedSince": self.observed_since,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> ScalingHistory:
+        if not data:
+            return cls()
+        return cls(
+            tuple((float(t), int(r)) for t, r in data.get("recommendations", ())),
+            data.get("capacityPerReplica"),
+            data.get("observedSince"),
+        )
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    replicas: int
+    reason: str
+    history: ScalingHistory
+    previous: int
+
+    @property
+    def changed(self) -> bool:
+        return self.replicas != self.previous
+
+
+def measure_capacity(
+    observation: Observation, ready: int, saturated: bool, previous: float | None, smoothing: float
+) -> float | None:
+    """Per-replica capacity: smoothed over saturated windows; never below what a replica just served."""
+    if ready <= 0 or observation.output_tokens_per_second <= 0:
+        return previous
+    per_replica = observation.output_tokens_per_second / ready
+    if saturated:
+        if previous is None:
+            return per_replica
+        return smoothing * per_replica + (1 - smoothing) * previous
+    return per_replica if previous is None or per_replica > previous else previous
+
+
+def autoscale(
+    observation: Observation | None,
+    replicas: ReplicaState,
+    policy: ScalingPolicy,
+    history: ScalingHistory,
+    now: float,
+    saturated: bool,
+) -> ScaleDecision:
+    """Replicas for the next interval; ``saturated`` says the Ready replicas ran at their max_num_seqs."""
+    current = replicas.desired
+
+    def decide(target: int, reason: str, hist: ScalingHistory) -> ScaleDecision:
+        return ScaleDecision(target, reason, hist, current)
+
+    bounded = min(max(current, policy.min_replicas), policy.max_replicas)
+    if bounded != current:
+        return decide(
+            bounded,
+            f"replicas {current} outside {policy.min_replicas}..{policy.max_replicas}: scaling to {bounded}",
+            history,
+        )
+    if observation is None:
+        return decide(current, "no metrics from any Ready pod: holding", history)
+
+    capacity = measure_capacity(
+        observation, replicas.ready, saturated, history.capacity_per_replica, policy.capacity_smoothing
+    )
+    history = replace(history, capacity_per_replica=capacity)
+    tokens_per_request = observation.mean_output_tokens_per_request or 0.0
+    backlog = observation.waiting_now * tokens_per_request / policy.queue_drain_seconds
+    demand = observation.output_tokens_per_second + backlog
+    demand_text = f"demand {demand:.0f} tok/s ({observation.output_tokens_per_second:.0f} served"
+    demand_text += f" + queue of {observation.waiting_now:.0f})" if observation.waiting_now else ")"
+
+    if demand <= 0:
+        raw = policy.min_replicas
+        basis = "no demand in the window"
+    elif capacity is None or capacity <= 0:
+        if observation.waiting_now > 0 and replicas.pending_no_gpu == 0:
+            raw = current + 1
+            basis = f"{demand_text}, capacity not measured yet, requests queued"
+        else:
+            return decide(current, f"{demand_text}; capacity not measured yet: holding", history)
+    else:
+        raw = math.ceil(demand / (capacity * policy.target_utilization) - 1e-9)
+        basis = (
+            f"{demand_text} vs {capacity:.0f} tok/s per replica at {policy.target_utilization:.0%} "
+            f"→ {raw} replica(s)"
+        )
+    raw = min(max(raw, policy.min_replicas), policy.max_replicas)
+
+    window_start = now - policy.scale_down_stabilization_seconds
+    recommendations = tuple(r for r in history.recommendations if r[0] >= window_start) + ((now, raw),)
+    observed_since = history.observed_since if history.observed_since is not None else now
+    history = replace(history, recommendations=recommendations, observed_since=observed_since)
+
+    if raw > current:
+        if replicas.pending_no_gpu > 0:
+            return decide(
+                current,
+                f"{basis}; {replicas.pending_no_gpu} pod(s) Pending because no node has a free GPU "
+                f"(only {replicas.ready} Ready count as capacity): not adding more",
+                history,
+            )
+        starting = current - replicas.ready - replicas.pending_no_gpu
+        if starting > 0:
+            return decide(current, f"{basis}; waiting for {starting} starting replica(s)", history)
+        return decide(raw, f"{basis}: scaling up {current} → {raw}", history)
+
+    if raw < current:
+        if observation.waiting_now > 0:
+            return decide(current, f"{basis}, but requests are queued: holding", history)
+        stabilized = max(r for _, r in recommendations)
+        target = max(stabilized, current - policy.scale_down_step)
+        if target >= current or now - observed_since < policy.scale_down_stabilization_seconds:
+            return decide(
+                current,
+                f"{basis}; waiting out the {policy.scale_down_stabilization_seconds:.0f} s "
+                "stabilization window before scaling down",
+                history,
+            )
+        return decide(target, f"{basis}: scaling down {current} → {target}", history)
+
+    return decide(current, f"{basis}: holding", history)

@@ -1,0 +1,434 @@
+"""The tuner: one window's observation in, the next engine parameters out.
+
+A pure function. Under a saturating load a continuous-batching engine's
+throughput rises with the running batch while its inter-token latency (ITL)
+grows about linearly with it (every decode step carries the whole batch), so
+the best ``max_num_seqs`` for an ITL SLO is the largest batch whose P99 ITL
+still meets it. The tuner fits ``ITL P99 ≈ a + b·batch`` from its recent
+windows (least squares, weighted towards recent windows and towards points
+near the target, so a convex tail far away does not drag the line), aims at
+the SLO less a safety margin, and moves there:
+
+- SLO violated: back off at once, towards the fitted target (at most to a
+  quarter per interval), never below a setting recently seen to meet it.
+- Headroom and saturated (running ≈ max_num_seqs with a queue): grow towards
+  the fitted target in bounded steps; never up to a setting recently seen to
+  violate; never past what the KV cache holds at the observed sequence lengths.
+- Otherwise, inside the margin band or the hysteresis band, during a
+  cooldown, or with too little traffic to learn from: hold still.
+
+GPU memory utilization moves rarely (each change restarts pods): up one step
+when preemptions in consecutive windows show the KV cache is what limits the
+batch, down one step after an out-of-memory kill, and never again up to a
+fraction that ran out of memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from kvpilot.operator.metrics import Observation
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    max_num_seqs: int
+    gpu_memory_utilization: float
+    max_num_batched_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Slo:
+    itl_p99_seconds: float | None = None
+    ttft_p99_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("itl_p99_seconds", "ttft_p99_seconds"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"slo.{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min_num_seqs: int
+    max_num_seqs: int
+    min_gpu_memory_utilization: float
+    max_gpu_memory_utilization: float
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_num_seqs <= self.max_num_seqs:
+            raise ValueError(
+                f"tuning bounds need 1 <= maxNumSeqs.min <= maxNumSeqs.max, "
+                f"got {self.min_num_seqs}..{self.max_num_seqs}"
+            )
+        if not 0 < self.min_gpu_memory_utilization <= self.max_gpu_memory_utilization <= 1:
+            raise ValueError(
+                "tuning bounds need 0 < gpuMemoryUtilization.min <= gpuMemoryUtilization.max <= 1, "
+                f"got {self.min_gpu_memory_utilization}..{self.max_gpu_memory_utilization}"
+            )
+
+    def clamp_seqs(self, value: float) -> int:
+        return int(min(max(math.floor(value), self.min_num_seqs), self.max_num_seqs))
+
+    def clamp_memory(self, value: float) -> float:
+        return round(min(max(value, self.min_gpu_memory_utilization), self.max_gpu_memory_utilization), 4)
+
+
+@dataclass(frozen=True)
+class TunerConfig:
+    margin: float = 0.05  # aim the P99 ITL at (1 - margin) × SLO
+    min_itl_samples: int = 300  # fewer inter-token gaps than this: the P99 is noise
+    max_growth: float = 2.0  # at most ×2 per interval upwards
+    max_backoff: float = 0.25  # at most ÷4 per interval downwards
+    hysteresis: float = 0.05  # ignore upward moves smaller than this fraction of max_num_seqs
+    cooldown_seconds: float = 0.0  # between max_num_seqs changes (windows restart anyway)
+    saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
+    kv_headroom: float = 0.9  # use at most this share of the KV cache at observed lengths
+    fit_window: int = 12  # windows used for the latency fit
+    recency: float = 0.75  # weight of a window relative to the next newer one
+    bracket_windows: int = 20  # how long a setting's last verdict (good/bad) is trusted
+    tight_bracket: float = 1 / 3  # a bad setting this close above the current one: stop probing
+    throughput_tolerance: float = 0.97  # a larger setting this much slower than a smaller one is worse
+    history_length: int = 24
+    memory_step: float = 0.02
+    memory_cooldown_seconds: float = 600.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What one window taught: latency at a batch size, under one setting."""
+
+    time: float
+    max_num_seqs: int
+    batch: float
+    itl_p99: float
+    tokens_per_second: float
+    saturated: bool
+    violated: bool  # the latest windows at this setting, averaged, were over the SLO
+    preempting: bool
+
+
+@dataclass(frozen=True)
+class Change:
+    time: float
+    parameter: str  # "maxNumSeqs" or "gpuMemoryUtilization"
+    old: float
+    new: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class TuningHistory:
+    samples: tuple[Sample, ...] = ()
+    changes: tuple[Change, ...] = ()
+    oom_memory_ceiling: float | None = None  # a fraction that ran out of memory
+
+    def to_dict(self) -> dict:
+        return {
+            "samples": [asdict(s) for s in self.samples],
+            "changes": [asdict(c) for c in self.changes],
+            "oomMemoryCeiling": self.oom_memory_ceiling,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> TuningHistory:
+        if not data:
+            return cls()
+        return cls(
+            samples=tuple(Sample(**s) for s in data.get("samples", ())),
+            changes=tuple(Change(**c) for c in data.get("changes", ())),
+            oom_memory_ceiling=data.get("oomMemoryCeiling"),
+        )
+
+    def last_change(self, parameter: str) -> Change | None:
+        return next((c for c in reversed(self.changes) if c.parameter == parameter), None)
+
+
+@dataclass(frozen=True)
+class Decision:
+    params: EngineParams
+    reason: str
+    history: TuningHistory
+    previous: EngineParams
+
+    @property
+    def num_seqs_changed(self) -> bool:
+        return self.params.max_num_seqs != self.previous.max_num_seqs
+
+    @property
+    def memory_changed(self) -> bool:
+        return self.params.gpu_memory_utilization != self.previous.gpu_memory_utilization
+
+    @property
+    def changed(self) -> bool:
+        return self.params != self.previous
+
+
+@dataclass(frozen=True)
+class LatencyFit:
+    """ITL P99 ≈ intercept + slope · batch, in seconds."""
+
+    intercept: float
+    slope: float
+
+    def batch_for(self, itl_seconds: float) -> float:
+        return (itl_seconds - self.intercept) / self.slope
+
+    def describe(self) -> str:
+        return f"ITL≈{self.intercept * 1e3:.1f}+{self.slope * 1e3:.2f}·batch ms"
+
+
+def fit_latency(samples: tuple[Sample, ...], target_itl: float, config: TunerConfig) -> LatencyFit | None:
+    """Weighted least squares of ITL P99 on batch; None when the batches don't spread or slope ≤ 0."""
+    recent = samples[-config.fit_window :]
+    if len(recent) < 2:
+        return None
+    points = []
+    for age, s in enumerate(reversed(recent)):
+        closeness = 1.0 / (1.0 + abs(s.itl_p99 - target_itl) / target_itl) if math.isfinite(target_itl) else 1.0
+        points.append((s.batch, s.itl_p99, config.recency**age * closeness**2))
+    total = sum(w for _, _, w in points)
+    mean_x = sum(x * w for x, _, w in points) / total
+    mean_y = sum(y * w for _, y, w in points) / total
+    var_x = sum(w * (x - mean_x) ** 2 for x, _, w in points) / total
+    if var_x < max(1.0, (0.1 * mean_x) ** 2) / 4:
+        return None  # one batch size seen: the slope is unknown
+    cov = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / total
+    slope = cov / var_x
+    if slope <= 0:
+        return None
+    return LatencyFit(mean_y - slope * mean_x, slope)
+
+
+def tune(
+    observation: Observation | None,
+    params: EngineParams,
+    slo: Slo,
+    bounds: Bounds,
+    history: TuningHistory,
+    now: float,
+    oom_kills: int = 0,
+    config: TunerConfig = TunerConfig(),
+) -> Decision:
+    """Decide the next parameters from the latest window; see the module docstring."""
+
+    def decide(new: EngineParams, reason: str, hist: TuningHistory | None = None) -> Decision:
+        hist = history if hist is None else hist
+        changes = list(hist.changes)
+        if new.max_num_seqs != params.max_num_seqs:
+            changes.append(Change(now, "maxNumSeqs", params.max_num_seqs, new.max_num_seqs, reason))
+        if new.gpu_memory_utilization != params.gpu_memory_utilization:
+            changes.append(
+                Change(now, "gpuMemoryUtilization", params.gpu_memory_utilization, new.gpu_memory_utilization, reason)
+            )
+        hist = replace(hist, changes=tuple(changes[-config.history_length :]))
+        return Decision(new, reason, hist, params)
+
+    m = params.max_num_seqs
+    mem = params.gpu_memory_utilization
+
+    if oom_kills > 0:
+        ceiling = mem if history.oom_memory_ceiling is None else min(mem, history.oom_memory_ceiling)
+        lowered = bounds.clamp_memory(mem - 2 * config.memory_step)
+        hist = replace(history, oom_memory_ceiling=ceiling)
+        if lowered < mem:
+            reason = (
+                f"{oom_kills} pod(s) ran out of memory at gpu_memory_utilization {mem:g}: "
+                f"lowering it to {lowered:g}"
+            )
+            return decide(replace(params, gpu_memory_utilization=lowered), reason, hist)
+        backed = bounds.clamp_seqs(m * 0.75)
+        reason = (
+            f"{oom_kills} pod(s) ran out of memory at the lowest allowed gpu_memory_utilization {mem:g}: "
+            f"lowering max_num_seqs {m} → {backed}"
+        )
+        return decide(replace(params, max_num_seqs=backed), reason, hist)
+
+    clamped = bounds.clamp_seqs(m)
+    if clamped != m:
+        return decide(
+            _with_seqs(params, clamped),
+            f"max_num_seqs {m} is outside the tuning bounds {bounds.min_num_seqs}..{bounds.max_num_seqs}: "
+            f"moving to {clamped}",
+        )
+
+    slo_itl = slo.itl_p99_seconds if slo.itl_p99_seconds is not None else math.inf
+    target_itl = slo_itl * (1 - config.margin)
+    if observation is None or observation.itl_p99 is None or observation.mean_running_per_pod is None:
+        return decide(params, "no metrics from any pod in this window: holding")
+    if observation.itl_samples < config.min_itl_samples or observation.mean_running_per_pod < 1:
+        return decide(
+            params,
+            f"too little traffic to learn from ({observation.itl_samples:.0f} inter-token samples in "
+            f"{observation.window_seconds:.0f} s, need {config.min_itl_samples}): holding",
+        )
+
+    pods = max(observation.pods, 1)
+    batch = observation.mean_running_per_pod
+    waiting_per_pod = observation.waiting / pods
+    sample = Sample(
+        time=now,
+        max_num_seqs=observation.max_num_seqs or m,
+        batch=batch,
+        itl_p99=observation.itl_p99,
+        tokens_per_second=observation.output_tokens_per_second,
+        saturated=batch >= config.saturation_fill * m and waiting_per_pod > 0.0,
+        violated=False,
+        preempting=observation.preemptions_per_second > 0,
+    )
+    # Evidence at the current setting: the latest windows since it was applied, averaged so
+    # that one noisy P99 neither triggers a back-off nor brands the setting as violating.
+    current = _tail_at_setting(history.samples + (sample,), sample.max_num_seqs)[-3:]
+    itl_now = sum(s.itl_p99 for s in current) / len(current)
+    batch_now = sum(s.batch for s in current) / len(current)
+    sample = replace(sample, violated=itl_now > slo_itl)
+    history = replace(history, samples=(history.samples + (sample,))[-config.history_length :])
+
+    last_seqs_change = history.last_change("maxNumSeqs")
+    if last_seqs_change is not None and now - last_seqs_change.time < config.cooldown_seconds:
+        return decide(params, f"cooling down after the change at {last_seqs_change.time:.0f}: holding")
+
+    fit = fit_latency(history.samples, target_itl, config)
+    good, bad, bad_why = _bracket(history.samples[-config.bracket_windows :], config)
+    kv_cap = _kv_capacity(observation, batch, config)
+    where = f"ITL P99 {itl_now * 1e3:.0f} ms at batch {batch_now:.1f}"
+    slo_text = f"SLO {slo_itl * 1e3:.0f} ms" if math.isfinite(slo_itl) else "no ITL SLO"
+    fit_text = f" ({fit.describe()})" if fit else ""
+
+    if itl_now > slo_itl:
+        if itl_now <= slo_itl * (1 + config.margin) and len(current) < 2:
+            return decide(params, f"{where} is marginally over {slo_text}: confirming over one more window")
+        target = fit.batch_for(target_itl) if fit else batch_now * target_itl / itl_now
+        floor = max(m * config.max_backoff, good if good is not None and good < m else 0)
+        new = bounds.clamp_seqs(min(max(target, floor), m - 1))
+        if new >= m:
+            return decide(params, f"{where} > {slo_text}, but max_num_seqs is at its lower bound {m}")
+        return decide(_with_seqs(params, new), f"{where} > {slo_text}: max_num_seqs {m} → {new}{fit_text}")
+
+    if waiting_per_pod > 0 and _preempting_twice(history.samples):
+        raised = _raised_memory(mem, bounds, history, now, config)
+        if raised is not None:
+            return decide(
+                replace(params, gpu_memory_utilization=raised),
+                f"preempting {observation.preemptions_per_second:.2f}/s with {waiting_per_pod:.1f} waiting per pod: "
+                f"the KV cache is the limit; gpu_memory_utilization {mem:g} → {raised:g}",
+            )
+
+    if itl_now > target_itl:
+        return decide(params, f"{where} is within the {config.margin:.0%} margin below {slo_text}: holding")
+    if not sample.saturated:
+        return decide(
+            params,
+            f"{where} meets {slo_text}; not saturated (batch {batch:.1f} of {m}, "
+            f"{waiting_per_pod:.1f} waiting per pod): holding",
+        )
+
+    # Without a fit (one batch size seen) explore: the intercept makes latency grow slower than
+    # the batch, so the squared headroom ratio is a fair first step, bounded by max_growth.
+    target = fit.batch_for(target_itl) if fit else batch_now * (target_itl / itl_now) ** 2
+    limits = [target, m * config.max_growth, bounds.max_num_seqs]
+    limit_text = ""
+    if kv_cap is not None and kv_cap < min(limits):
+        limit_text = f"; the KV cache holds ~{kv_cap:.0f} seqs at observed lengths"
+    if kv_cap is not None:
+        limits.append(kv_cap)
+    if bad is not None and bad > m:
+        # Bisect between what works and what recently did not; a tight bracket means done.
+        cap = m if bad <= m * (1 + config.tight_bracket) else (m + bad) // 2
+        if cap < min(limits):
+            limit_text = f"; {bad} {bad_why} recently"
+            limits.append(cap)
+    new = bounds.clamp_seqs(min(limits))
+    if new - m < max(1, config.hysteresis * m):
+        why = limit_text or f"; the fitted best is within {config.hysteresis:.0%}"
+        return decide(params, f"{where} meets {slo_text}{why}: holding")
+    return decide(
+        _with_seqs(params, new),
+        f"{where} meets {slo_text} with a queue: max_num_seqs {m} → {new}{fit_text}{limit_text}",
+    )
+
+
+def _with_seqs(params: EngineParams, seqs: int) -> EngineParams:
+    """A new max_num_seqs; the token budget must fit one decode token per sequence."""
+    tokens = params.max_num_batched_tokens
+    if tokens is not None and tokens < seqs:
+        tokens = seqs
+    return replace(params, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+
+
+def _tail_at_setting(samples: tuple[Sample, ...], seqs: int) -> list[Sample]:
+    tail: list[Sample] = []
+    for s in reversed(samples):
+        if s.max_num_seqs != seqs:
+            break
+        tail.append(s)
+    return list(reversed(tail)) or [samples[-1]]
+
+
+def _bracket(samples: tuple[Sample, ...], config: TunerConfig) -> tuple[int | None, int | None, str]:
+    """The largest setting whose latest window met the SLO, and the smallest not worth having.
+
+    A setting is not worth having when its latest window violated the SLO (and
+    the batch actually reached it), or when, saturated, it gave less
+    throughput than a smaller setting did.
+    """
+    latest: dict[int, Sample] = {}
+    for s in samples:
+        if s.violated and s.batch < config.saturation_fill * s.max_num_seqs:
+            continue
+        latest[s.max_num_seqs] = s
+    good = max((k for k, s in latest.items() if not s.violated), default=None)
+    violated = min((k for k, s in latest.items() if s.violated), default=None)
+    slower = None
+    best_below = 0.0
+    for k in sorted(latest):
+        s = latest[k]
+        if s.saturated and s.tokens_per_second < config.throughput_tolerance * best_below:
+            slower = k
+            break
+        best_below = max(best_below, s.tokens_per_second)
+    if slower is not None and (violated is None or slower < violated):
+        return good, slower, "gave less throughput than a smaller setting"
+    return good, violated, "violated the SLO"
+
+
+def _kv_capacity(observation: Observation, batch: float, config: TunerConfig) -> float | None:
+    """Sequences the KV cache holds at the window's mean footprint per sequence."""
+    usage = observation.kv_cache_usage
+    if usage < 0.05 or batch < 1:
+        return None
+    return batch / usage * config.kv_headroom
+
+
+def _preempting_twice(samples: tuple[Sample, ...]) -> bool:
+    return len(samples) >= 2 and samples[-1].preempting and samples[-2].preempting
+
+
+def _raised_memory(
+    mem: float, bounds: Bounds, history: TuningHistory, now: float, config: TunerConfig
+) -> float | None:
+    last = history.last_change("gpuMemoryUtilization")
+    if last is not None and now - last.time < config.memory_cooldown_seconds:
+        return None
+    raised = bounds.clamp_memory(mem + config.memory_step)
+    ceiling = history.oom_memory_ceiling
+    if ceiling is not None and raised >= ceiling:
+        raised = bounds.clamp_memory(min(raised, ceiling - config.memory_step / 2))
+    return raised if raised > mem else None
+
+
+__all__ = [
+    "Bounds",
+    "Change",
+    "Decision",
+    "EngineParams",
+    "LatencyFit",
+    "Sample",
+    "Slo",
+    "TunerConfig",
+    "TuningHistory",
+    "fit_latency",
+    "tune",
+]

@@ -1,0 +1,135 @@
+"""The autoscaler on synthetic load steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvpilot.operator.autoscaler import (
+    ReplicaState,
+    ScalingHistory,
+    ScalingPolicy,
+    autoscale,
+    measure_capacity,
+)
+from kvpilot.operator.metrics import Observation
+
+CAPACITY = 400.0  # tokens/s one saturated replica serves
+POLICY = ScalingPolicy(min_replicas=1, max_replicas=6, scale_down_stabilization_seconds=300.0)
+INTERVAL = 30.0
+
+
+def load(demand: float, replicas: int, tokens_per_request: float = 100.0) -> tuple[Observation, bool]:
+    """A window of a service offered ``demand`` tok/s on ``replicas`` Ready replicas.
+
+    Beyond capacity the surplus queues up (waiting requests), as in a real engine.
+    """
+    served = min(demand, CAPACITY * replicas)
+    backlog = (demand - served) * INTERVAL / tokens_per_request
+    saturated = demand >= CAPACITY * replicas
+    obs = Observation(
+        window_seconds=INTERVAL, pods=replicas, output_tokens_per_second=served, prompt_tokens_per_second=served,
+        requests_per_second=served / tokens_per_request, requests_finished=served * INTERVAL / tokens_per_request,
+        itl_samples=served * INTERVAL, ttft_p50=0.1, ttft_p99=0.5, itl_p50=0.05, itl_p99=0.08, e2e_p50=4.0,
+        e2e_p99=8.0, queue_time_p99=0.5, mean_running_per_pod=16.0, running=16.0 * replicas, waiting=backlog,
+        waiting_now=backlog, kv_cache_usage=0.4, kv_cache_blocks=1000.0 * replicas, preemptions_per_second=0.0,
+        prefix_cache_hit_rate=None, mean_output_tokens_per_request=tokens_per_request, max_num_seqs=16,
+        max_num_batched_tokens=2048, gpu_memory_utilization=0.9,
+    )
+    return obs, saturated
+
+
+def simulate(demands: list[float], start: int = 1, policy: ScalingPolicy = POLICY):
+    replicas, history, seen = start, ScalingHistory(), []
+    for i, demand in enumerate(demands):
+        obs, saturated = load(demand, replicas)
+        decision = autoscale(obs, ReplicaState(replicas, replicas), policy, history, i * INTERVAL, saturated)
+        history = decision.history
+        replicas = decision.replicas  # new replicas are Ready by the next window
+        seen.append((replicas, decision.reason))
+    return seen
+
+
+def test_scales_up_fast_in_one_step():
+    seen = simulate([300.0] * 3 + [1500.0] * 4)
+    replicas = [r for r, _ in seen]
+    step = replicas.index(max(replicas))
+    assert step == 3  # the first window of the surge
+    assert max(replicas) >= math.ceil(1500 / (CAPACITY * POLICY.target_utilization))
+    assert "scaling up" in seen[3][1]
+
+
+def test_scales_down_slowly_one_replica_after_the_stabilization_window():
+    seen = simulate([1500.0] * 12 + [200.0] * 30, start=5)
+    replicas = [r for r, _ in seen]
+    peak = replicas[11]
+    after_drop = replicas[12:]
+    windows = int(POLICY.scale_down_stabilization_seconds / INTERVAL)
+    assert all(r == peak for r in after_drop[:windows - 1])
+    assert all(b - a >= -1 for a, b in zip(replicas, replicas[1:]))  # one at a time
+    assert replicas[-1] == 1
+    assert any("stabilization" in reason for _, reason in seen[12:20])
+
+
+def test_noise_does_not_flap():
+    demands = [700.0 + (60 if i % 2 else -60) for i in range(40)]
+    replicas = [r for r, _ in simulate(demands, start=2)]
+    assert len(set(replicas[2:])) == 1
+
+
+def test_respects_min_and_max():
+    policy = ScalingPolicy(min_replicas=2, max_replicas=3, scale_down_stabilization_seconds=0.0)
+    assert max(r for r, _ in simulate([10_000.0] * 5, start=2, policy=policy)) == 3
+    assert min(r for r, _ in simulate([0.0] * 20, start=3, policy=policy)) == 2
+    decision = autoscale(None, ReplicaState(9, 9), policy, ScalingHistory(), 0.0, False)
+    assert decision.replicas == 3 and "outside" in decision.reason
+
+
+def test_pending_pods_are_not_capacity_and_block_more_scale_up():
+    obs, saturated = load(2000.0, 2)
+    history = ScalingHistory(capacity_per_replica=CAPACITY)
+    decision = autoscale(obs, ReplicaState(desired=3, ready=2, pending_no_gpu=1), POLICY, history, 0.0, saturated)
+    assert decision.replicas == 3
+    assert "Pending" in decision.reason and "free GPU" in decision.reason
+    # Capacity is measured over the two Ready replicas only.
+    assert decision.history.capacity_per_replica == pytest.approx(CAPACITY)
+
+
+def test_waits_for_starting_replicas_before_asking_for_more():
+    obs, saturated = load(2000.0, 2)
+    history = ScalingHistory(capacity_per_replica=CAPACITY)
+    decision = autoscale(obs, ReplicaState(desired=4, ready=2), POLICY, history, 0.0, saturated)
+    assert decision.replicas == 4 and "starting" in decision.reason
+
+
+def test_no_scale_down_with_a_queue_or_before_a_full_window():
+    obs, _ = load(100.0, 3)
+    fresh = autoscale(obs, ReplicaState(3, 3), POLICY, ScalingHistory(capacity_per_replica=CAPACITY), 0.0, False)
+    assert fresh.replicas == 3  # an operator that just started has not watched a full window
+    queued = obs.__class__(**{**obs.__dict__, "waiting_now": 5.0})
+    history = ScalingHistory(capacity_per_replica=CAPACITY, observed_since=-1000.0)
+    assert autoscale(queued, ReplicaState(3, 3), POLICY, history, 0.0, False).replicas == 3
+
+
+def test_unknown_capacity_adds_one_replica_only_when_requests_queue():
+    obs, _ = load(100.0, 1)
+    idle = obs.__class__(**{**obs.__dict__, "output_tokens_per_second": 0.0})
+    assert autoscale(idle, ReplicaState(1, 1), POLICY, ScalingHistory(), 0.0, False).replicas == 1
+    queued = obs.__class__(**{**idle.__dict__, "waiting_now": 4.0})
+    assert autoscale(queued, ReplicaState(1, 1), POLICY, ScalingHistory(), 0.0, False).replicas == 2
+
+
+def test_capacity_is_smoothed_over_saturated_windows_and_floored_by_unsaturated_ones():
+    obs, _ = load(800.0, 2)
+    assert measure_capacity(obs, 2, True, None, 0.5) == pytest.approx(400.0)
+    assert measure_capacity(obs, 2, True, 600.0, 0.5) == pytest.approx(500.0)
+    assert measure_capacity(obs, 2, False, 300.0, 0.5) == pytest.approx(400.0)
+    assert measure_capacity(obs, 2, False, 600.0, 0.5) == pytest.approx(600.0)
+
+
+def test_history_round_trip_and_policy_validation():
+    seen_history = ScalingHistory(((1.0, 2), (31.0, 3)), 412.5, 1.0)
+    assert ScalingHistory.from_dict(seen_history.to_dict()) == seen_history
+    with pytest.raises(ValueError, match="minReplicas"):
+        ScalingPolicy(min_replicas=3, max_replicas=2)
