@@ -15,6 +15,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_make_model(subparsers: argparse._SubParsersAction) -> None:
     """`kvpilot make-model`: owned by engine/model_files.py."""
+    parser = subparsers.add_parser(
+        "make-model",
+        help="write a random Llama-family model folder (Hugging Face format) for tests and demos",
+        description="Write config.json, generation_config.json, model.safetensors and a locally trained "
+        "byte-level BPE tokenizer (with a chat template) into OUT. Weights are random, deterministic "
+        "per --seed; nothing is downloaded.",
+    )
+    parser.add_argument("out", metavar="OUT", help="folder to write (created if missing)")
+    parser.add_argument(
+        "--preset",
+        choices=("tiny", "small"),
+        default="tiny",
+        help="tiny: ~0.8M parameters, float32, for tests; small: ~100M parameters (hidden 1024, 8 layers, "
+        "16 heads, 4 KV heads), bfloat16, for benchmarks (default: tiny)",
+    )
+    parser.add_argument(
+        "--arch", choices=("llama", "mistral", "qwen2"), default="llama", help="architecture (default: llama)"
+    )
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default: 0)")
+
+    def run(args: argparse.Namespace) -> int:
+        from kvpilot.engine.model_files import make_model
+
+        out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
+        print(f"wrote a random {args.arch} model (preset {args.preset}, seed {args.seed}) to {out}:")
+        for path in sorted(out.iterdir()):
+            print(f"  {path.name}  ({path.stat().st_size:,} bytes)")
+        return 0
+
+    parser.set_defaults(func=run)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
 
 
 def _register_serve(subparsers: argparse._SubParsersAction) -> None:
