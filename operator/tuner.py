@@ -87,6 +87,7 @@ class TunerConfig:
     saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
     kv_headroom: float = 0.9  # use at most this share of the KV cache at observed lengths
     fit_window: int = 12  # windows used for the latency fit
+    fit_max_ratio: float = 2.0  # windows with a P99 ITL beyond this × target stay out of the fit
     recency: float = 0.75  # weight of a window relative to the next newer one
     bracket_windows: int = 20  # how long a setting's last verdict (good/bad) is trusted
     tight_bracket: float = 1 / 3  # a bad setting this close above the current one: stop probing
@@ -181,8 +182,13 @@ class LatencyFit:
 
 
 def fit_latency(samples: tuple[Sample, ...], target_itl: float, config: TunerConfig) -> LatencyFit | None:
-    """Weighted least squares of ITL P99 on batch; None when the batches don't spread or slope ≤ 0."""
-    recent = samples[-config.fit_window :]
+    """Weighted least squares of ITL P99 on batch; None when the batches don't spread or slope ≤ 0.
+
+    Weights favour recent windows and windows near the target latency.
+    """
+    # Windows far over the target (deep in overload, where latency explodes) say nothing
+    # about the slope near it.
+    recent = [s for s in samples[-config.fit_window :] if s.itl_p99 <= config.fit_max_ratio * target_itl]
     if len(recent) < 2:
         return None
     points = []
