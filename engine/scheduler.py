@@ -171,7 +171,7 @@ class Scheduler:
                 continue
             del self._by_id[request.request_id]
             finished_ids.add(request.request_id)
-            if request.status is not RequestStatus.RUNNING:
+            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 self.waiting.remove(request)
             request.status = status
             self.kv_cache_manager.free(request)
