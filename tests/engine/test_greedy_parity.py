@@ -13,10 +13,10 @@ NEW_TOKENS = 32
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_greedy_tokens_match_transformers_generate(tiny_model_factory, arch):
+def test_greedy_tokens_match_transformers_generate(tiny_model_dirs, arch):
     from transformers import AutoModelForCausalLM
 
-    model_dir = tiny_model_factory(arch)
+    model_dir = tiny_model_dirs[arch]
     rng = random.Random(1)
     prompts = [[rng.randrange(10, 1000) for _ in range(length)] for length in (3, 11, 26, 40, 57)]
 
