@@ -1,0 +1,371 @@
+"""Pure functions: an InferenceService's spec (+ tuning state) -> the manifests of its children.
+
+No I/O here: ``kube.py`` applies what these return (adding owner references),
+and tests read the dicts directly. Children, all named after the service:
+
+- Deployment ``NAME``: engine pods running ``kvpilot serve``.
+- Service ``NAME``: port 8000 ``http``.
+- ConfigMap ``NAME-tuning``: the tuning state the pods read at start.
+- PodDisruptionBudget ``NAME``: only when replicas > 1.
+- Secret ``NAME-admin``: the engines' admin token (created once, never rewritten).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpilot.operator import tuning_state
+from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.tuning_state import TuningState
+
+ENGINE_PORT = 8000
+PORT_NAME = "http"
+HEALTH_PATH = "/health"
+CONTAINER_NAME = "engine"
+TUNING_DIR = "/etc/kvpilot/tuning"
+TUNING_FILE = f"{TUNING_DIR}/{tuning_state.TUNING_FILE_KEY}"
+MODEL_ROOT = "/mnt/models"
+SCRATCH_DIR = "/tmp"
+ADMIN_TOKEN_ENV = "KVPILOT_ADMIN_TOKEN"
+POD_IP_ENV = "POD_IP"
+ADMIN_TOKEN_KEY = "token"
+# The image's non-root user (see the Dockerfile).
+RUN_AS_USER = 10001
+
+APP_NAME = "kvpilot"
+COMPONENT = "engine"
+MANAGED_BY = "kvpilot-operator"
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+
+
+def tuning_configmap_name(name: str) -> str:
+    return f"{name}-tuning"
+
+
+def admin_secret_name(name: str) -> str:
+    return f"{name}-admin"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """Labels that pick one InferenceService's engine pods (immutable once a Deployment exists)."""
+    return {NAME_LABEL: APP_NAME, INSTANCE_LABEL: name, COMPONENT_LABEL: COMPONENT}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def labels(name: str) -> dict[str, str]:
+    """Kubernetes' recommended labels, on every child."""
+    return {**selector_labels(name), "app.kubernetes.io/part-of": APP_NAME, MANAGED_BY_LABEL: MANAGED_BY}
+
+
+def service_url(name: str, namespace: str) -> str:
+    return f"http://{name}.{namespace}.svc.cluster.local:{ENGINE_PORT}/v1"
+
+
+def _metadata(name: str, namespace: str, service: str) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels(service)}
+
+
+# --- model volume -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelMount:
+    """How the model folder reaches the engine container: the path it serves, and what provides it."""
+
+    path: str
+    volumes: list[dict[str, Any]]
+    volume_mounts: list[dict[str, Any]]
+    init_containers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def model_mount(spec: InferenceServiceSpec, image: str, container_security: dict[str, Any]) -> ModelMount:
+    uri = spec.model.uri
+    if uri.startswith("pvc://"):
+        claim, _, sub_path = uri[len("pvc://"):].partition("/")
+        return ModelMount(
+            path=f"{MODEL_ROOT}/{sub_path}".rstrip("/"),
+            volumes=[{"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+            volume_mounts=[{"name": "model", "mountPath": MODEL_ROOT, "readOnly": True}],
+        )
+    if uri.startswith("file:///"):
+        # Mounted at its own path, so the engine's argument reads the same as the URI.
+        host_path = "/" + uri[len("file:///"):].rstrip("/")
+        return ModelMount(
+            path=host_path,
+            volumes=[{"name": "model", "hostPath": {"path": host_path, "type": "Directory"}}],
+            volume_mounts=[{"name": "model", "mountPath": host_path, "readOnly": True}],
+        )
+    if uri.startswith("hf://"):
+        repo = uri[len("hf://"):]
+        return ModelMount(
+            path=MODEL_ROOT,
+            volumes=[{"name": "model", "emptyDir": {}}],
+            volume_mounts=[{"name": "model", "mountPath": MODEL_ROOT, "readOnly": True}],
+            init_containers=[_download_container(spec, repo, image, container_security)],
+        )
+    raise ValueError(f"model.uri {uri!r}: unknown scheme (use pvc://, file:/// or hf://)")
+
+
+def _download_container(
+    spec: InferenceServiceSpec, repo: str, image: str, container_security: dict[str, Any]
+) -> dict[str, Any]:
+    args = ["download", repo, "--local-dir", MODEL_ROOT]
+    if spec.model.revision:
+        args += ["--revision", spec.model.revision]
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if spec.model.token_secret is not None:
+        secret = spec.model.token_secret
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    return {
+        "name": "download-model",
+        "image": image,
+        "command": ["hf"],
+        "args": args,
+        "env": env,
+        "securityContext": container_security,
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODEL_ROOT},
+            {"name": "scratch", "mountPath": SCRATCH_DIR},
+        ],
+    }
+
+
+# --- engine pod ---------------------------------------------------------------
+
+
+def served_model_name(name: str, spec: InferenceServiceSpec) -> str:
+    return spec.model.served_name or name
+
+
+def engine_args(name: str, spec: InferenceServiceSpec, state: TuningState, model_path: str,
+                settings: OperatorSettings) -> list[str]:
+    """`kvpilot serve` arguments. maxNumSeqs and maxNumBatchedTokens come from the spec here and are
+    overridden at start by the tuning file, so the tuner changing them does not roll the pods; the
+    memory fraction comes from the tuning state, so changing it does."""
+    engine = spec.engine
+    args = [
+        "serve", model_path,
+        "--host", f"$({POD_IP_ENV})" if settings.engine_bind_pod_ip else "0.0.0.0",
+        "--port", str(ENGINE_PORT),
+        "--served-model-name", served_model_name(name, spec),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--gpu-memory-utilization", _number(state.gpu_memory_utilization),
+        "--block-size", str(engine.block_size),
+        "--dtype", engine.dtype,
+    ]
+    if engine.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    args.append("--enable-chunked-prefill" if engine.enable_chunked_prefill else "--no-enable-chunked-prefill")
+    args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
+    args += [
+        "--tuning-file", TUNING_FILE,
+        "--shutdown-grace-period", str(settings.engine_shutdown_grace_seconds),
+    ]
+    return args + list(engine.extra_args)
+
+
+def _number(value: float) -> str:
+    return repr(float(value))
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    amounts: dict[str, Any] = {}
+    if spec.resources.gpus > 0:
+        amounts[spec.resources.gpu_resource_name] = str(spec.resources.gpus)
+    if spec.resources.cpu is not None:
+        amounts["cpu"] = str(spec.resources.cpu)
+    if spec.resources.memory is not None:
+        amounts["memory"] = spec.resources.memory
+    # Requests equal limits: GPUs cannot be overcommitted anyway, and a model server
+    # squeezed below its memory request is an OOM kill waiting to happen.
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def engine_container(name: str, spec: InferenceServiceSpec, state: TuningState, mount: ModelMount,
+                     image: str, settings: OperatorSettings) -> dict[str, Any]:
+    startup_period = 5
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": image,
+        "command": ["kvpilot"],
+        "args": engine_args(name, spec, state, mount.path, settings),
+        "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": [
+            {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": ADMIN_TOKEN_ENV,
+             "valueFrom": {"secretKeyRef": {"name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}},
+            # The root filesystem is read-only: caches go to the scratch volume.
+            {"name": "HOME", "value": f"{SCRATCH_DIR}/home"},
+            {"name": "XDG_CACHE_HOME", "value": f"{SCRATCH_DIR}/cache"},
+            {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
+            {"name": "TRITON_CACHE_DIR", "value": f"{SCRATCH_DIR}/triton"},
+        ],
+        "resources": _resources(spec),
+        # Model load can take minutes; liveness only starts once this passes.
+        "startupProbe": _probe(HEALTH_PATH, startup_period,
+                               max(1, settings.engine_startup_seconds // startup_period), timeout=3),
+        "readinessProbe": _probe(HEALTH_PATH, period=5, failures=2, timeout=3),
+        "livenessProbe": _probe(HEALTH_PATH, period=10, failures=6, timeout=5),
+        # Keep serving while endpoints drop the pod, then SIGTERM lets the engine drain.
+        "lifecycle": {"preStop": {"sleep": {"seconds": settings.engine_drain_seconds}}},
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            *mount.volume_mounts,
+            {"name": "tuning", "mountPath": TUNING_DIR, "readOnly": True},
+            {"name": "scratch", "mountPath": SCRATCH_DIR},
+        ],
+    }
+    pull_policy = spec.image_pull_policy or settings.engine_image_pull_policy
+    if pull_policy:
+        container["imagePullPolicy"] = pull_policy
+    return container
+
+
+def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec, state: TuningState,
+                     settings: OperatorSettings) -> dict[str, Any]:
+    image = spec.image or settings.engine_image
+    mount = model_mount(spec, image, _container_security())
+    pod_spec: dict[str, Any] = {
+        "containers": [engine_container(name, spec, state, mount, image, settings)],
+        "volumes": [
+            *mount.volumes,
+            {"name": "tuning", "configMap": {"name": tuning_configmap_name(name)}},
+            {"name": "scratch", "emptyDir": {}},
+        ],
+        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if mount.init_containers:
+        pod_spec["initContainers"] = mount.init_containers
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.affinity:
+        pod_spec["affinity"] = dict(spec.affinity)
+    if spec.resources.gpus > 0:
+        # No spare GPU for a surge pod: replace pods one at a time instead of deadlocking.
+        rolling = {"maxSurge": 0, "maxUnavailable": 1}
+    else:
+        rolling = {"maxSurge": 1, "maxUnavailable": 0}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(name, namespace, name),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "progressDeadlineSeconds": settings.engine_startup_seconds + 300,
+            "revisionHistoryLimit": 3,
+            "template": {"metadata": {"labels": labels(name)}, "spec": pod_spec},
+        },
+    }
+
+
+# --- the other children ---------------------------------------------------------
+
+
+def build_service(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(name, namespace, name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": PORT_NAME, "port": ENGINE_PORT, "targetPort": PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def build_tuning_configmap(name: str, namespace: str, spec: InferenceServiceSpec,
+                           state: TuningState) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(tuning_configmap_name(name), namespace, name),
+        "data": tuning_state.configmap_data(state, seed=TuningState.from_engine(spec.engine)),
+    }
+
+
+def build_pdb(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any] | None:
+    """A PodDisruptionBudget keeping all but one pod through voluntary disruptions; None for one replica."""
+    if spec.replicas <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(name, namespace, name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
+
+
+def build_admin_secret(name: str, namespace: str, token: str) -> dict[str, Any]:
+    if not re.fullmatch(r"[A-Za-z0-9_\-]{32,}", token):
+        raise ValueError("admin token must be at least 32 URL-safe characters")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(admin_secret_name(name), namespace, name),
+        "type": "Opaque",
+        "stringData": {ADMIN_TOKEN_KEY: token},
+    }
+
+
+@dataclass(frozen=True)
+class Children:
+    """Everything one reconcile applies (the admin Secret is ensured separately: it is created once)."""
+
+    configmap: dict[str, Any]
+    deployment: dict[str, Any]
+    service: dict[str, Any]
+    pdb: dict[str, Any] | None
+
+
+def build_children(name: str, namespace: str, spec: InferenceServiceSpec, state: TuningState,
+                   settings: OperatorSettings) -> Children:
+    return Children(
+        configmap=build_tuning_configmap(name, namespace, spec, state),
+        deployment=build_deployment(name, namespace, spec, state, settings),
+        service=build_service(name, namespace),
+        pdb=build_pdb(name, namespace, spec),
+    )

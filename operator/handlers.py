@@ -1,0 +1,96 @@
+"""kopf handlers: decorators only, each delegating to ``reconcile``.
+
+- create / update / resume of an InferenceService -> one full, level-triggered reconcile;
+- a timer every ``resync_seconds`` -> the same reconcile, which heals drift
+  (a deleted child, a lost event) and keeps the status fresh;
+- any change of an engine pod or Deployment -> a status refresh of its
+  InferenceService, so Ready and Degraded follow the pods within a second.
+
+Handlers are registered on an explicit registry by ``register`` (no module
+globals), so the CLI and the tests build the operator the same way. More
+timers (the tuner's) register on the same registry next to these.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from kvpilot.operator import builders, reconcile, spec
+from kvpilot.operator.kube import Kube
+from kvpilot.operator.settings import OperatorSettings
+
+ANNOTATION_PREFIX = spec.GROUP
+FINALIZER = f"{spec.GROUP}/finalizer"
+# A failed reconcile (API server hiccup, a conflict) is retried this soon.
+RETRY_BACKOFF_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class OperatorContext:
+    """What every handler needs: built once by the CLI, shared by all handlers."""
+
+    settings: OperatorSettings
+    kube: Kube
+
+
+def configure_kopf(kopf_settings: kopf.OperatorSettings, log_level: str) -> None:
+    # kopf keeps its bookkeeping in annotations under our group, never in status: the
+    # status schema is structural, and status belongs to the reconcile.
+    kopf_settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    kopf_settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    kopf_settings.persistence.finalizer = FINALIZER
+    # The CRD is installed before the operator (Helm's crds/), so there is nothing to discover
+    # later, and no RBAC is needed to watch CRDs or namespaces.
+    kopf_settings.scanning.disabled = True
+    kopf_settings.posting.level = logging.INFO
+    kopf_settings.execution.max_workers = 8
+    logging.getLogger().setLevel(log_level)
+
+
+def post_outcome(body: Any, outcome: reconcile.Outcome) -> None:
+    for action in outcome.actions:
+        kopf.info(body, reason="Applied", message=action)
+    for reason, message in outcome.warnings:
+        kopf.warn(body, reason=reason, message=message)
+
+
+def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
+    resource = (spec.GROUP, spec.VERSION, spec.PLURAL)
+    child_labels = {builders.MANAGED_BY_LABEL: builders.MANAGED_BY}
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_kopf(settings, context.settings.log_level)
+
+    @kopf.on.resume(*resource, registry=registry, backoff=RETRY_BACKOFF_SECONDS)
+    @kopf.on.create(*resource, registry=registry, backoff=RETRY_BACKOFF_SECONDS)
+    @kopf.on.update(*resource, registry=registry, backoff=RETRY_BACKOFF_SECONDS)
+    def reconcile_service(body: kopf.Body, **_: Any) -> None:
+        post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings))
+
+    @kopf.timer(*resource, registry=registry, interval=context.settings.resync_seconds,
+                initial_delay=context.settings.resync_seconds)
+    def resync_service(body: kopf.Body, **_: Any) -> None:
+        post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings))
+
+    @kopf.on.event("apps", "v1", "deployments", labels=child_labels, registry=registry)
+    @kopf.on.event("", "v1", "pods", labels=child_labels, registry=registry)
+    def child_changed(body: kopf.Body, namespace: str, **_: Any) -> None:
+        owner_name = (body.get("metadata", {}).get("labels") or {}).get(builders.INSTANCE_LABEL)
+        if not owner_name:
+            return
+        owner = context.kube.get_inference_service(namespace, owner_name)
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            return
+        post_outcome(owner, reconcile.refresh_status(context.kube, owner))
+
+
+def _plain(body: kopf.Body) -> dict[str, Any]:
+    """kopf's Body is a read-only view; the reconcile works on plain dicts."""
+    return copy.deepcopy(dict(body))

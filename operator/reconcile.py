@@ -1,0 +1,151 @@
+"""The level-triggered reconcile: read the world, apply the desired children, report status.
+
+``reconcile`` never looks at what changed, only at what is: the spec and the
+tuning state give the desired children, server-side apply makes them so (a
+no-op when they already are), and the status is recomputed from what the
+children report. Running it twice, or after an operator restart, or halfway
+through and again, converges on the same objects. ``refresh_status`` is the
+cheap half, run whenever an engine pod or the Deployment changes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvpilot.operator import builders, status, tuning_state
+from kvpilot.operator.kube import Kube
+from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.spec import InferenceServiceSpec, parse_spec
+from kvpilot.operator.tuning_state import TuningState
+
+
+@dataclass
+class Outcome:
+    """What a reconcile did, for Kubernetes Events: normal actions and newly found problems."""
+
+    actions: list[str] = field(default_factory=list)
+    warnings: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def spec_error_message(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"]) or "spec"
+        parts.append(f"spec.{where}: {error['msg']}")
+    return "; ".join(parts)
+
+
+def read_tuning_state(kube: Kube, name: str, namespace: str, spec: InferenceServiceSpec) -> TuningState:
+    configmap = kube.get("v1", "ConfigMap", namespace, builders.tuning_configmap_name(name))
+    return tuning_state.resolve(spec, (configmap or {}).get("data"))
+
+
+def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings) -> Outcome:
+    """Brings one InferenceService's children to the desired state and writes its status."""
+    meta = body["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    outcome = Outcome()
+    try:
+        spec = parse_spec(body.get("spec") or {})
+    except ValidationError as exc:
+        message = spec_error_message(exc)
+        outcome.warnings.append((status.INVALID_SPEC, message))
+        outcome.status = _write_status(kube, body, status.invalid_spec_status(
+            meta.get("generation"), message, _conditions(body), now_rfc3339()))
+        return outcome
+
+    state = read_tuning_state(kube, name, namespace, spec)
+    children = builders.build_children(name, namespace, spec, state, settings)
+
+    token = secrets.token_urlsafe(32)
+    if kube.create_if_missing(builders.build_admin_secret(name, namespace, token), owner=body):
+        outcome.actions.append(f"Created Secret {builders.admin_secret_name(name)} (engine admin token)")
+    for manifest in (children.configmap, children.service, children.deployment):
+        _apply(kube, manifest, body, outcome)
+    if children.pdb is not None:
+        _apply(kube, children.pdb, body, outcome)
+    elif kube.delete("policy/v1", "PodDisruptionBudget", namespace, name):
+        outcome.actions.append(f"Deleted PodDisruptionBudget {name} (one replica needs none)")
+
+    refreshed = refresh_status(kube, body, spec=spec, state=state)
+    outcome.warnings.extend(refreshed.warnings)
+    outcome.status = refreshed.status
+    return outcome
+
+
+def _apply(kube: Kube, manifest: dict[str, Any], owner: dict[str, Any], outcome: Outcome) -> None:
+    meta = manifest["metadata"]
+    before = kube.get(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+    after = kube.apply(manifest, owner=owner)
+    kind, name = manifest["kind"], meta["name"]
+    if before is None:
+        outcome.actions.append(f"Created {kind} {name}")
+    elif before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
+        outcome.actions.append(f"Updated {kind} {name}")
+
+
+def refresh_status(kube: Kube, body: dict[str, Any], *, spec: InferenceServiceSpec | None = None,
+                   state: TuningState | None = None) -> Outcome:
+    """Recomputes the status from the children and writes it when it changed."""
+    meta = body["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    if spec is None:
+        try:
+            spec = parse_spec(body.get("spec") or {})
+        except ValidationError:
+            return Outcome(status=body.get("status") or {})  # the next full reconcile reports it
+    if state is None:
+        state = read_tuning_state(kube, name, namespace, spec)
+    deployment = kube.get("apps/v1", "Deployment", namespace, name)
+    pods = kube.list("v1", "Pod", namespace, label_selector=builders.selector_string(name))
+    unready = {p["metadata"]["name"] for p in pods if not status.pod_ready(p)}
+    events = kube.pod_events(namespace, unready)
+    new_status = status.compute_status(
+        name=name, namespace=namespace, generation=meta.get("generation"), spec=spec, state=state,
+        deployment=deployment, pods=pods, events=events, previous_conditions=_conditions(body), now=now_rfc3339(),
+    )
+    return Outcome(warnings=_new_problems(body, new_status), status=_write_status(kube, body, new_status))
+
+
+def _conditions(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return list((body.get("status") or {}).get("conditions") or [])
+
+
+def _new_problems(body: dict[str, Any], new_status: dict[str, Any]) -> list[tuple[str, str]]:
+    """A Degraded condition that appeared or changed reason since the last status: worth an Event."""
+    old = {c.get("type"): c for c in _conditions(body)}.get("Degraded") or {}
+    new = {c["type"]: c for c in new_status["conditions"]}["Degraded"]
+    if new["status"] == "True" and (old.get("status") != "True" or old.get("reason") != new["reason"]):
+        return [(new["reason"], new["message"])]
+    return []
+
+
+def _write_status(kube: Kube, body: dict[str, Any], new_status: dict[str, Any]) -> dict[str, Any]:
+    """Patches only when something changed, so a quiet service causes no writes (and no watch events)."""
+    old = body.get("status") or {}
+    unchanged = all(
+        key not in old if value is None else _without_nones(value) == old.get(key)
+        for key, value in new_status.items()
+    )
+    if not unchanged:
+        kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], new_status)
+    return new_status
+
+
+def _without_nones(value: Any) -> Any:
+    """What a merge patch leaves behind: keys set to None are removed."""
+    if isinstance(value, dict):
+        return {k: _without_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nones(v) for v in value]
+    return value

@@ -1,0 +1,495 @@
+"""The InferenceService resource: pydantic models of its spec and status.
+
+These models are the one source of truth. ``crd.py`` renders the CRD's OpenAPI
+schema from them (field descriptions become ``kubectl explain`` text, defaults
+become API-server defaults), and each model's ``rules`` become both the CRD's
+CEL validations and a pydantic check with the same message, so the operator
+and the API server reject the same specs with the same words.
+
+Python attributes are snake_case; the resource's fields are their camelCase
+aliases (``max_num_seqs`` is ``maxNumSeqs`` in YAML).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "kvpilot.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ("kvis",)
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Children are named after the InferenceService plus a short suffix, and the
+# Service name must be a DNS-1035 label (at most 63 characters).
+MAX_NAME_LENGTH = 52
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One validation, written twice in one place: CEL for the API server, Python for the operator."""
+
+    cel: str
+    message: str
+    check: Callable[[Any], bool]
+    field_path: str | None = None
+
+
+def _add_rules_to_schema(schema: dict[str, Any], cls: type) -> None:
+    rules: tuple[Rule, ...] = getattr(cls, "rules", ())
+    if rules:
+        schema["x-kubernetes-validations"] = [
+            {"rule": r.cel, "message": r.message, **({"fieldPath": r.field_path} if r.field_path else {})}
+            for r in rules
+        ]
+
+
+class SpecModel(BaseModel):
+    """Base of every resource model: camelCase fields, unknown fields rejected, rules checked."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        json_schema_extra=_add_rules_to_schema,
+    )
+    rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> SpecModel:
+        for rule in self.rules:
+            if not rule.check(self):
+                raise ValueError(rule.message)
+        return self
+
+
+class StatusModel(BaseModel):
+    """Base of the status models: camelCase, and tolerant of fields written by newer operators."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+def _preserve_unknown(description: str) -> dict[str, Any]:
+    return {"description": description, "json_schema_extra": {"x-kubernetes-preserve-unknown-fields": True}}
+
+
+# --- spec -----------------------------------------------------------------
+
+
+class SecretKeySelector(SpecModel):
+    """A key of a Secret in the InferenceService's namespace."""
+
+    name: str = Field(description="Name of the Secret.", min_length=1, max_length=253)
+    key: str = Field(default="token", description="Key inside the Secret that holds the value.", max_length=253)
+
+
+# RE2 patterns (CEL's matches()) that Python's re reads the same way.
+MODEL_URI_PATTERNS = (
+    "^pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?$",
+    "^file:///.+$",
+    "^hf://[^/]+/[^/]+$",
+)
+
+
+class ModelSource(SpecModel):
+    """Where the model's Hugging Face folder (config.json, safetensors, tokenizer) comes from."""
+
+    uri: str = Field(
+        description=(
+            "Location of the model folder. pvc://CLAIM/PATH mounts PersistentVolumeClaim CLAIM read-only and "
+            "serves PATH inside it; file:///HOST/PATH mounts a directory of the node (hostPath); hf://ORG/NAME "
+            "downloads the repository from the Hugging Face Hub in an init container before the engine starts."
+        ),
+        min_length=1,
+        max_length=1024,
+    )
+    served_name: str | None = Field(
+        default=None,
+        description="Model name clients send in the OpenAI API's `model` field. Defaults to the InferenceService's name.",
+        max_length=253,
+    )
+    revision: str | None = Field(
+        default=None, description="hf:// only: branch, tag or commit to download. Defaults to the main branch.",
+        max_length=253,
+    )
+    token_secret: SecretKeySelector | None = Field(
+        default=None,
+        description="hf:// only: Secret holding a Hugging Face access token, for gated or private repositories.",
+    )
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel=" || ".join(f"self.uri.matches('{p}')" for p in MODEL_URI_PATTERNS),
+            message="model.uri must be pvc://CLAIM/PATH, file:///HOST/PATH or hf://ORG/NAME",
+            check=lambda m: any(re.fullmatch(p, m.uri) for p in MODEL_URI_PATTERNS),
+            field_path=".uri",
+        ),
+        Rule(
+            cel="self.uri.startsWith('hf://') || (!has(self.revision) && !has(self.tokenSecret))",
+            message="model.revision and model.tokenSecret apply only to hf:// model URIs",
+            check=lambda m: m.uri.startswith("hf://") or (m.revision is None and m.token_secret is None),
+        ),
+    )
+
+
+class Resources(SpecModel):
+    """Compute each engine pod requests; requests equal limits, so GPU pods are never overcommitted."""
+
+    gpus: int = Field(default=1, ge=0, le=64, description="GPUs per engine pod (one engine process uses them all).")
+    gpu_resource_name: str = Field(
+        default="nvidia.com/gpu",
+        description="Extended resource name of a GPU on the nodes (as the device plugin advertises it).",
+        min_length=1,
+        max_length=253,
+    )
+    cpu: int | str | None = Field(
+        default=None,
+        description="CPU per engine pod as a Kubernetes quantity (e.g. 4 or 3500m). Unset: no CPU request or limit.",
+        json_schema_extra={"x-kubernetes-int-or-string": True},
+    )
+    memory: str | None = Field(
+        default=None,
+        description="Memory per engine pod as a Kubernetes quantity (e.g. 32Gi). Unset: no memory request or limit.",
+        max_length=64,
+    )
+
+
+class EngineParams(SpecModel):
+    """Parameters of the kvpilot engine (`kvpilot serve`). Changing them rolls the pods one at a time."""
+
+    max_num_seqs: int = Field(
+        default=64, ge=1, le=4096,
+        description=(
+            "Most requests the engine runs in one batch: higher raises throughput and inter-token latency. "
+            "With tuning enabled this is the starting value, and the tuner moves it within spec.tuning.maxNumSeqs."
+        ),
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1,
+        description="Token budget of one engine step (prefill chunks plus decodes). Unset: the engine's default.",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        description=(
+            "Fraction of GPU memory the engine may use in all (weights, activations, KV cache), in (0, 1]. "
+            "With tuning enabled this is the starting value, and the tuner moves it within "
+            "spec.tuning.gpuMemoryUtilization."
+        ),
+    )
+    block_size: int = Field(default=16, description="Tokens per KV-cache block: a power of two from 8 to 128.")
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="Longest sequence (prompt plus output) served. Unset: the model's own limit."
+    )
+    enable_chunked_prefill: bool = Field(
+        default=True, description="Split long prompts across steps so they do not stall running requests."
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse the KV cache of prompt prefixes that earlier requests already computed."
+    )
+    dtype: str = Field(
+        default="auto",
+        description="Weights and activations dtype: auto (the model's own), float32, bfloat16 or float16.",
+        max_length=16,
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="More `kvpilot serve` arguments, appended last (e.g. [\"--device\", \"cpu\"]).",
+        json_schema_extra={"items": {"type": "string", "maxLength": 1024}},
+    )
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.gpuMemoryUtilization > 0.0 && self.gpuMemoryUtilization <= 1.0",
+            message="engine.gpuMemoryUtilization must be a fraction greater than 0 and at most 1",
+            check=lambda e: 0.0 < e.gpu_memory_utilization <= 1.0,
+            field_path=".gpuMemoryUtilization",
+        ),
+        Rule(
+            cel="self.blockSize in [8, 16, 32, 64, 128]",
+            message="engine.blockSize must be a power of two from 8 to 128 (8, 16, 32, 64 or 128)",
+            check=lambda e: e.block_size in BLOCK_SIZES,
+            field_path=".blockSize",
+        ),
+        Rule(
+            cel="!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxNumSeqs",
+            message="engine.maxNumBatchedTokens must be at least engine.maxNumSeqs: each running request needs a token per step",
+            check=lambda e: e.max_num_batched_tokens is None or e.max_num_batched_tokens >= e.max_num_seqs,
+            field_path=".maxNumBatchedTokens",
+        ),
+        Rule(
+            cel="self.dtype in ['auto', 'float32', 'bfloat16', 'float16']",
+            message="engine.dtype must be auto, float32, bfloat16 or float16",
+            check=lambda e: e.dtype in DTYPES,
+            field_path=".dtype",
+        ),
+    )
+
+
+class MaxNumSeqsBounds(SpecModel):
+    """Bounds the tuner keeps engine.maxNumSeqs within."""
+
+    min: int = Field(default=1, ge=1, description="Smallest maxNumSeqs the tuner may set.")
+    max: int = Field(default=256, ge=1, le=4096, description="Largest maxNumSeqs the tuner may set.")
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.min <= self.max",
+            message="tuning.maxNumSeqs.min must be at most tuning.maxNumSeqs.max",
+            check=lambda b: b.min <= b.max,
+        ),
+    )
+
+
+class MemoryFractionBounds(SpecModel):
+    """Bounds the tuner keeps engine.gpuMemoryUtilization within."""
+
+    min: float = Field(default=0.5, description="Smallest GPU memory fraction the tuner may set.")
+    max: float = Field(default=0.95, description="Largest GPU memory fraction the tuner may set.")
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.min > 0.0 && self.max <= 1.0 && self.min <= self.max",
+            message="tuning.gpuMemoryUtilization bounds must satisfy 0 < min <= max <= 1",
+            check=lambda b: 0.0 < b.min <= b.max <= 1.0,
+        ),
+    )
+
+
+class Slo(SpecModel):
+    """Latency targets the tuner keeps while it raises throughput. Give at least one."""
+
+    ttft_p99_seconds: float | None = Field(
+        default=None, gt=0, description="Target 99th-percentile time to first token, in seconds."
+    )
+    itl_p99_seconds: float | None = Field(
+        default=None, gt=0, description="Target 99th-percentile inter-token latency, in seconds."
+    )
+
+
+class Tuning(SpecModel):
+    """Live tuning: the operator watches the engines' metrics and sets maxNumSeqs and gpuMemoryUtilization
+    to the highest throughput that still meets the SLO."""
+
+    enabled: bool = Field(default=True, description="Tune this service. false keeps the engine parameters as given.")
+    interval_seconds: int | None = Field(
+        default=None, ge=5, le=3600,
+        description="Seconds between tuning decisions. Unset: the operator's default (KVPILOT_TUNING_INTERVAL_SECONDS).",
+    )
+    slo: Slo = Field(default_factory=Slo, description="Latency targets to meet.", json_schema_extra={"default": {}})
+    max_num_seqs: MaxNumSeqsBounds = Field(
+        default_factory=MaxNumSeqsBounds, description="Bounds for engine.maxNumSeqs.", json_schema_extra={"default": {}}
+    )
+    gpu_memory_utilization: MemoryFractionBounds = Field(
+        default_factory=MemoryFractionBounds,
+        description="Bounds for engine.gpuMemoryUtilization (changing it restarts pods one at a time).",
+        json_schema_extra={"default": {}},
+    )
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!self.enabled || has(self.slo.ttftP99Seconds) || has(self.slo.itlP99Seconds)",
+            message="tuning.slo needs ttftP99Seconds or itlP99Seconds when tuning is enabled",
+            check=lambda t: not t.enabled or t.slo.ttft_p99_seconds is not None or t.slo.itl_p99_seconds is not None,
+            field_path=".slo",
+        ),
+    )
+
+
+class Autoscaling(SpecModel):
+    """Replica autoscaling from the engines' load. The operator sets spec.replicas through the scale
+    subresource; disable it to let an HPA or KEDA drive that subresource instead."""
+
+    enabled: bool = Field(default=True, description="Let the operator scale replicas between minReplicas and maxReplicas.")
+    min_replicas: int = Field(default=1, ge=0, description="Fewest replicas.")
+    max_replicas: int = Field(ge=1, description="Most replicas (each needs its own GPUs).")
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.minReplicas <= self.maxReplicas",
+            message="autoscaling.minReplicas must be at most autoscaling.maxReplicas",
+            check=lambda a: a.min_replicas <= a.max_replicas,
+        ),
+    )
+
+
+class InferenceServiceSpec(SpecModel):
+    """Desired state of an InferenceService: a model served by kvpilot engine pods behind a Service."""
+
+    model: ModelSource = Field(description="The model to serve.")
+    image: str | None = Field(
+        default=None,
+        description="Engine container image. Unset: the operator's default (KVPILOT_ENGINE_IMAGE).",
+        max_length=1024,
+    )
+    image_pull_policy: str | None = Field(
+        default=None,
+        description="Always, IfNotPresent or Never. Unset: Kubernetes' default for the image tag.",
+        json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]},
+    )
+    replicas: int = Field(default=1, ge=0, le=1024, description="Engine pods. The scale subresource sets this field.")
+    resources: Resources = Field(
+        default_factory=Resources, description="Compute per engine pod.", json_schema_extra={"default": {}}
+    )
+    engine: EngineParams = Field(
+        default_factory=EngineParams, description="Engine parameters.", json_schema_extra={"default": {}}
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels an engine pod's node must have (the pod's nodeSelector)."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="The engine pods' tolerations, as in a pod spec (e.g. for tainted GPU nodes).",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None, **_preserve_unknown("The engine pods' affinity, as in a pod spec.")
+    )
+    autoscaling: Autoscaling | None = Field(default=None, description="Scale replicas with load. Unset: fixed replicas.")
+    tuning: Tuning | None = Field(default=None, description="Tune engine parameters live against an SLO. Unset: no tuning.")
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel=(
+                "!has(self.tuning) || !self.tuning.enabled || "
+                "(self.engine.maxNumSeqs >= self.tuning.maxNumSeqs.min && "
+                "self.engine.maxNumSeqs <= self.tuning.maxNumSeqs.max)"
+            ),
+            message="engine.maxNumSeqs must lie within tuning.maxNumSeqs.min and tuning.maxNumSeqs.max",
+            check=lambda s: s.tuning is None or not s.tuning.enabled
+            or s.tuning.max_num_seqs.min <= s.engine.max_num_seqs <= s.tuning.max_num_seqs.max,
+        ),
+        Rule(
+            cel=(
+                "!has(self.tuning) || !self.tuning.enabled || "
+                "(self.engine.gpuMemoryUtilization >= self.tuning.gpuMemoryUtilization.min && "
+                "self.engine.gpuMemoryUtilization <= self.tuning.gpuMemoryUtilization.max)"
+            ),
+            message="engine.gpuMemoryUtilization must lie within tuning.gpuMemoryUtilization.min and .max",
+            check=lambda s: s.tuning is None or not s.tuning.enabled
+            or s.tuning.gpu_memory_utilization.min <= s.engine.gpu_memory_utilization <= s.tuning.gpu_memory_utilization.max,
+        ),
+    )
+
+
+# --- status ---------------------------------------------------------------
+
+
+class Phase(str, enum.Enum):
+    PENDING = "Pending"  # nothing is serving yet and nothing is known to be wrong
+    PROGRESSING = "Progressing"  # a rollout or scale-up is under way
+    READY = "Ready"  # every desired replica is ready
+    DEGRADED = "Degraded"  # something needs the user: see the Degraded condition
+    STOPPED = "Stopped"  # scaled to zero replicas
+
+
+class ConditionType(str, enum.Enum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+
+
+class Condition(StatusModel):
+    """A Kubernetes-style condition (metav1.Condition)."""
+
+    type: str = Field(description="Ready, Progressing or Degraded.")
+    status: str = Field(description="True, False or Unknown.")
+    reason: str = Field(description="One CamelCase word a program can match.")
+    message: str = Field(default="", description="What is happening and, when something is wrong, what to do.")
+    last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(default=None, description="metadata.generation this condition reflects.")
+
+
+class EngineStatus(StatusModel):
+    """Engine parameters currently in effect (the spec's, or the tuner's once it has acted)."""
+
+    max_num_seqs: int | None = Field(default=None, description="maxNumSeqs the engines run with.")
+    max_num_batched_tokens: int | None = Field(default=None, description="maxNumBatchedTokens the engines run with.")
+    gpu_memory_utilization: float | None = Field(default=None, description="GPU memory fraction the engines run with.")
+
+
+class MetricsStatus(StatusModel):
+    """Service-wide load and latency over the last tuning window, from the engines' /metrics."""
+
+    window_seconds: float | None = Field(default=None, description="Length of the window these figures cover.")
+    time: str | None = Field(default=None, description="End of the window (RFC 3339).")
+    output_tokens_per_second: float | None = Field(default=None, description="Generated tokens per second, all pods.")
+    requests_per_second: float | None = Field(default=None, description="Finished requests per second, all pods.")
+    ttft_p99_seconds: float | None = Field(default=None, description="99th-percentile time to first token.")
+    itl_p99_seconds: float | None = Field(default=None, description="99th-percentile inter-token latency.")
+    e2e_p99_seconds: float | None = Field(default=None, description="99th-percentile request latency.")
+    kv_cache_usage: float | None = Field(default=None, description="Mean fraction of KV-cache blocks in use.")
+    requests_running: float | None = Field(default=None, description="Requests running, summed over pods.")
+    requests_waiting: float | None = Field(default=None, description="Requests queued, summed over pods.")
+    preemptions_per_second: float | None = Field(default=None, description="Requests preempted per second.")
+    prefix_cache_hit_rate: float | None = Field(default=None, description="Fraction of prompt tokens found cached.")
+    scraped_pods: int | None = Field(default=None, description="Ready pods whose metrics were read.")
+    unscraped_pods: list[str] = Field(default_factory=list, description="Ready pods whose metrics could not be read.")
+
+
+class TuningDecision(StatusModel):
+    """One change the tuner made."""
+
+    time: str | None = Field(default=None, description="When it was made (RFC 3339).")
+    max_num_seqs: int | None = Field(default=None, description="maxNumSeqs after the decision.")
+    gpu_memory_utilization: float | None = Field(default=None, description="GPU memory fraction after the decision.")
+    reason: str = Field(default="", description="Why, in one line.")
+
+
+class TuningStatus(StatusModel):
+    """What the tuner last decided and why."""
+
+    last_decision: str | None = Field(default=None, description="The last decision, in one line.")
+    reason: str | None = Field(default=None, description="Why it was made.")
+    time: str | None = Field(default=None, description="When it was made (RFC 3339).")
+    history: list[TuningDecision] = Field(default_factory=list, description="Recent changes, oldest first.")
+
+
+class AutoscalingStatus(StatusModel):
+    """What the autoscaler last decided and why."""
+
+    desired_replicas: int | None = Field(default=None, description="Replicas the autoscaler wants.")
+    reason: str | None = Field(default=None, description="Why, in one line.")
+    time: str | None = Field(default=None, description="When it was decided (RFC 3339).")
+
+
+class InferenceServiceStatus(StatusModel):
+    """Observed state, written by the operator through the status subresource."""
+
+    observed_generation: int | None = Field(default=None, description="metadata.generation last reconciled.")
+    phase: Phase | None = Field(default=None, description="Pending, Progressing, Ready, Degraded or Stopped.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing and Degraded, with reasons to act on.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    replicas: int | None = Field(default=None, description="Engine pods that exist (the scale subresource reads this).")
+    ready_replicas: int | None = Field(default=None, description="Engine pods that are ready to serve.")
+    selector: str | None = Field(default=None, description="Label selector of the engine pods, for the scale subresource.")
+    url: str | None = Field(default=None, description="In-cluster base URL of the OpenAI-compatible API.")
+    engine: EngineStatus | None = Field(default=None, description="Engine parameters in effect.")
+    metrics: MetricsStatus | None = Field(default=None, description="Recent load and latency.")
+    tuning: TuningStatus | None = Field(default=None, description="The tuner's last decision.")
+    autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")
+
+
+_NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+# Checked on the resource's top level, where CEL can read metadata.name.
+NAME_RULE = Rule(
+    cel=f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{_NAME_PATTERN}')",
+    message=(
+        f"metadata.name must be at most {MAX_NAME_LENGTH} characters of a-z, 0-9 and '-', starting with a "
+        "letter: it names the Service and Deployment"
+    ),
+    check=lambda name: len(name) <= MAX_NAME_LENGTH and re.fullmatch(_NAME_PATTERN, name) is not None,
+)
+
+
+def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
+    """Validates a resource's spec (already defaulted by the API server, or not)."""
+    return InferenceServiceSpec.model_validate(spec)

@@ -1,0 +1,260 @@
+"""Pure status computation: what the children look like -> the InferenceService's status.
+
+Reads the Deployment's status, the engine pods and their events, and turns
+them into Kubernetes-style conditions (Ready, Progressing, Degraded) whose
+reasons a user can act on: a pod the scheduler cannot place for lack of GPUs,
+an image that does not pull, an engine that keeps crashing, a model volume
+that does not exist.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator import builders
+from kvpilot.operator.spec import ConditionType, InferenceServiceSpec, Phase
+from kvpilot.operator.tuning_state import TuningState
+
+# Degraded reasons, most urgent first: the condition names the first one found.
+INVALID_SPEC = "InvalidSpec"
+INSUFFICIENT_GPU = "InsufficientGPU"
+MODEL_VOLUME_MISSING = "ModelVolumeMissing"
+IMAGE_PULL_FAILED = "ImagePullFailed"
+CONTAINER_CONFIG_ERROR = "ContainerConfigError"
+MODEL_DOWNLOAD_FAILED = "ModelDownloadFailed"
+CRASH_LOOP = "CrashLoop"
+UNSCHEDULABLE = "Unschedulable"
+VOLUME_MOUNT_FAILED = "VolumeMountFailed"
+REASON_PRIORITY = (
+    INVALID_SPEC, INSUFFICIENT_GPU, MODEL_VOLUME_MISSING, IMAGE_PULL_FAILED, CONTAINER_CONFIG_ERROR,
+    MODEL_DOWNLOAD_FAILED, CRASH_LOOP, UNSCHEDULABLE, VOLUME_MOUNT_FAILED,
+)
+
+_IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
+_CONFIG_REASONS = {"CreateContainerConfigError", "CreateContainerError"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    reason: str
+    pod: str
+    message: str
+
+
+def diagnose_pods(spec: InferenceServiceSpec, pods: list[dict[str, Any]],
+                  events: list[dict[str, Any]]) -> list[Problem]:
+    """Problems of pods that are not ready, most urgent first."""
+    problems: list[Problem] = []
+    events_by_pod: dict[str, list[dict[str, Any]]] = {}
+    for event in events:
+        events_by_pod.setdefault((event.get("involvedObject") or {}).get("name", ""), []).append(event)
+    for pod in pods:
+        if pod.get("metadata", {}).get("deletionTimestamp") or pod_ready(pod):
+            continue
+        problem = _diagnose_pod(spec, pod, events_by_pod.get(pod["metadata"]["name"], []))
+        if problem is not None:
+            problems.append(problem)
+    return sorted(problems, key=lambda p: REASON_PRIORITY.index(p.reason))
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _diagnose_pod(spec: InferenceServiceSpec, pod: dict[str, Any], events: list[dict[str, Any]]) -> Problem | None:
+    name = pod["metadata"]["name"]
+    status = pod.get("status") or {}
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
+                and condition.get("reason") == "Unschedulable":
+            return _unschedulable(spec, name, condition.get("message") or "")
+    for container in status.get("initContainerStatuses") or []:
+        problem = _container_problem(spec, name, container, init=True)
+        if problem is not None:
+            return problem
+    for container in status.get("containerStatuses") or []:
+        problem = _container_problem(spec, name, container, init=False)
+        if problem is not None:
+            return problem
+    for event in reversed(events):
+        if event.get("reason") == "FailedScheduling" and status.get("phase") == "Pending" \
+                and not (status.get("conditions") or []):
+            return _unschedulable(spec, name, event.get("message") or "")
+        if event.get("reason") == "FailedMount":
+            message = event.get("message") or ""
+            if '"model"' in message or "volume model" in message or "persistentvolumeclaim" in message.lower():
+                return Problem(MODEL_VOLUME_MISSING, name, (
+                    f"pod {name} cannot mount the model volume for {spec.model.uri}: {message}. "
+                    "Check that the path or PersistentVolumeClaim in spec.model.uri exists."
+                ))
+            return Problem(VOLUME_MOUNT_FAILED, name, f"pod {name} cannot mount a volume: {message}")
+    return None
+
+
+def _unschedulable(spec: InferenceServiceSpec, pod: str, message: str) -> Problem:
+    gpu = spec.resources.gpu_resource_name
+    if spec.resources.gpus > 0 and re.search(rf"Insufficient {re.escape(gpu)}\b", message):
+        return Problem(INSUFFICIENT_GPU, pod, (
+            f"pod {pod} is Pending: no node has {spec.resources.gpus} free {gpu} "
+            f"(scheduler: {message.strip()}). Free or add GPUs, or lower spec.resources.gpus or spec.replicas."
+        ))
+    match = re.search(r'persistentvolumeclaim "([^"]+)" not found', message)
+    if match:
+        return Problem(MODEL_VOLUME_MISSING, pod, (
+            f"pod {pod} is Pending: PersistentVolumeClaim {match.group(1)!r} from spec.model.uri does not exist "
+            "in this namespace. Create it or fix spec.model.uri."
+        ))
+    return Problem(UNSCHEDULABLE, pod, (
+        f"pod {pod} is Pending: the scheduler cannot place it ({message.strip()}). "
+        "Check spec.resources, spec.nodeSelector, spec.tolerations and spec.affinity."
+    ))
+
+
+def _container_problem(spec: InferenceServiceSpec, pod: str, container: dict[str, Any], *, init: bool) -> Problem | None:
+    waiting = (container.get("state") or {}).get("waiting") or {}
+    reason = waiting.get("reason") or ""
+    detail = waiting.get("message") or ""
+    if reason in _IMAGE_PULL_REASONS:
+        return Problem(IMAGE_PULL_FAILED, pod, (
+            f"pod {pod} cannot pull image {container.get('image')}: {reason} {detail}".rstrip()
+            + ". Check spec.image (or the operator's default engine image) and the image pull secrets."
+        ))
+    if reason in _CONFIG_REASONS:
+        return Problem(CONTAINER_CONFIG_ERROR, pod, f"pod {pod} container {container.get('name')}: {reason}: {detail}")
+    last = (container.get("lastState") or {}).get("terminated") or {}
+    restarts = container.get("restartCount") or 0
+    if reason == "CrashLoopBackOff" or (restarts > 0 and last):
+        exit_info = f"exit code {last.get('exitCode')}" if last else "no exit code recorded"
+        if last.get("reason"):
+            exit_info += f" ({last['reason']})"
+        message = (last.get("message") or "").strip()
+        tail = f": {message[-300:]}" if message else ""
+        if init:
+            return Problem(MODEL_DOWNLOAD_FAILED, pod, (
+                f"pod {pod} cannot download {spec.model.uri} ({exit_info}){tail}. Check the repository name, "
+                f"spec.model.revision and spec.model.tokenSecret; see `kubectl logs {pod} -c {container.get('name')}`."
+            ))
+        return Problem(CRASH_LOOP, pod, (
+            f"pod {pod}: the engine restarted {restarts} times, last {exit_info}{tail}. "
+            f"See `kubectl logs {pod} --previous`."
+        ))
+    return None
+
+
+def _condition(kind: ConditionType, ok: bool, reason: str, message: str, generation: int | None,
+               previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    old = previous.get(kind.value) or {}
+    since = old.get("lastTransitionTime") if old.get("status") == status else None
+    return {
+        "type": kind.value,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since or now,
+        "observedGeneration": generation,
+    }
+
+
+def compute_status(
+    *,
+    name: str,
+    namespace: str,
+    generation: int | None,
+    spec: InferenceServiceSpec,
+    state: TuningState,
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    previous_conditions: list[dict[str, Any]],
+    now: str,
+) -> dict[str, Any]:
+    """The status fields the reconcile owns (the tuner writes metrics, tuning and autoscaling)."""
+    previous = {c.get("type"): c for c in previous_conditions}
+    desired = spec.replicas
+    dep_status = (deployment or {}).get("status") or {}
+    replicas = dep_status.get("replicas") or 0
+    ready = dep_status.get("readyReplicas") or 0
+    updated = dep_status.get("updatedReplicas") or 0
+    dep_current = deployment is not None and \
+        (dep_status.get("observedGeneration") or 0) >= (deployment.get("metadata") or {}).get("generation", 0)
+    problems = diagnose_pods(spec, pods, events)
+
+    if deployment is None:
+        progressing, progress_reason, progress_message = True, "Creating", "creating the engine Deployment"
+    elif not dep_current or updated < desired or replicas > updated:
+        progressing, progress_reason = True, "RollingOut"
+        progress_message = f"{updated}/{desired} pods run the current spec; {replicas - updated} old pods remain"
+    elif ready < desired:
+        progressing, progress_reason = True, "WaitingForPods"
+        progress_message = f"{ready}/{desired} pods ready"
+    else:
+        progressing, progress_reason, progress_message = False, "Stable", f"{ready}/{desired} pods run the current spec"
+
+    if problems:
+        first = problems[0]
+        others = len(problems) - 1
+        degraded_message = first.message + (f" ({others} more pods have problems)" if others else "")
+        degraded = _condition(ConditionType.DEGRADED, True, first.reason, degraded_message, generation, previous, now)
+    else:
+        degraded = _condition(ConditionType.DEGRADED, False, "AsExpected", "", generation, previous, now)
+
+    url = builders.service_url(name, namespace)
+    if desired == 0:
+        ready_cond = _condition(ConditionType.READY, False, "ScaledToZero", "spec.replicas is 0", generation,
+                                previous, now)
+    elif ready >= desired:
+        ready_cond = _condition(ConditionType.READY, True, "AllReplicasReady",
+                                f"{ready}/{desired} replicas ready at {url}", generation, previous, now)
+    else:
+        ready_cond = _condition(ConditionType.READY, False, "ReplicasNotReady",
+                                f"{ready}/{desired} replicas ready", generation, previous, now)
+
+    if desired == 0:
+        phase = Phase.STOPPED
+    elif problems:
+        phase = Phase.DEGRADED
+    elif ready >= desired and not progressing:
+        phase = Phase.READY
+    elif deployment is None or (replicas == 0 and not pods):
+        phase = Phase.PENDING
+    else:
+        phase = Phase.PROGRESSING
+
+    return {
+        "observedGeneration": generation,
+        "phase": phase.value,
+        "conditions": [
+            ready_cond,
+            _condition(ConditionType.PROGRESSING, progressing, progress_reason, progress_message, generation,
+                       previous, now),
+            degraded,
+        ],
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "selector": builders.selector_string(name),
+        "url": url,
+        "engine": {
+            "maxNumSeqs": state.max_num_seqs,
+            "maxNumBatchedTokens": state.max_num_batched_tokens,
+            "gpuMemoryUtilization": state.gpu_memory_utilization,
+        },
+    }
+
+
+def invalid_spec_status(generation: int | None, message: str, previous_conditions: list[dict[str, Any]],
+                        now: str) -> dict[str, Any]:
+    """Status for a spec the operator cannot parse (the CRD's rules normally stop these first)."""
+    previous = {c.get("type"): c for c in previous_conditions}
+    return {
+        "observedGeneration": generation,
+        "phase": Phase.DEGRADED.value,
+        "conditions": [
+            _condition(ConditionType.READY, False, INVALID_SPEC, "the spec is invalid", generation, previous, now),
+            _condition(ConditionType.PROGRESSING, False, INVALID_SPEC, "nothing applied", generation, previous, now),
+            _condition(ConditionType.DEGRADED, True, INVALID_SPEC, message, generation, previous, now),
+        ],
+    }

@@ -1,0 +1,71 @@
+"""Operator settings from the environment, and the CLI around them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvpilot.operator import cli
+from kvpilot.operator.settings import OperatorSettings, SettingsError
+
+
+def test_defaults_without_environment():
+    settings = OperatorSettings.from_env({})
+    assert settings == OperatorSettings()
+    assert settings.termination_grace_seconds > settings.engine_drain_seconds + settings.engine_shutdown_grace_seconds
+
+
+def test_environment_overrides():
+    settings = OperatorSettings.from_env({
+        "KVPILOT_ENGINE_IMAGE": "r.example/kvpilot:dev", "KVPILOT_RESYNC_SECONDS": "2.5",
+        "KVPILOT_LOG_LEVEL": "debug", "KVPILOT_ENGINE_BIND_POD_IP": "true",
+        "KVPILOT_ENGINE_IMAGE_PULL_POLICY": "Never",
+    })
+    assert settings.engine_image == "r.example/kvpilot:dev" and settings.resync_seconds == 2.5
+    assert settings.log_level == "DEBUG" and settings.engine_bind_pod_ip
+    assert settings.engine_image_pull_policy == "Never"
+
+
+@pytest.mark.parametrize("name,value", [("KVPILOT_RESYNC_SECONDS", "soon"), ("KVPILOT_HEALTH_PORT", "-1"),
+                                        ("KVPILOT_LOG_LEVEL", "chatty"), ("KVPILOT_ENGINE_BIND_POD_IP", "maybe")])
+def test_bad_values_name_the_variable(name, value):
+    with pytest.raises(SettingsError, match=name):
+        OperatorSettings.from_env({name: value})
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["operator", *argv])
+
+
+def test_namespace_scope(monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "NAMESPACE_FILE", str(tmp_path / "absent"))
+    assert cli.watched_namespaces(_args("-n", "a", "-n", "b"), {}) == ["a", "b"]
+    assert cli.watched_namespaces(_args("--all-namespaces"), {}) is None
+    assert cli.watched_namespaces(_args(), {"KVPILOT_NAMESPACES": "x, y"}) == ["x", "y"]
+    assert cli.watched_namespaces(_args(), {"KVPILOT_NAMESPACES": "*"}) is None
+    with pytest.raises(SystemExit, match="--all-namespaces"):
+        cli.watched_namespaces(_args(), {})
+    (tmp_path / "ns").write_text("kvpilot-system\n")
+    monkeypatch.setattr(cli, "NAMESPACE_FILE", str(tmp_path / "ns"))
+    assert cli.watched_namespaces(_args(), {}) == ["kvpilot-system"]
+
+
+def test_namespace_and_all_namespaces_exclude_each_other():
+    with pytest.raises(SystemExit):
+        _args("-n", "a", "-A")
+
+
+def test_operator_never_imports_torch_or_the_engine():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import kvpilot.operator.runner, kvpilot.operator.handlers, kvpilot.operator.crd\n"
+        "heavy = [m for m in ('torch', 'triton', 'transformers', 'kvpilot.engine') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
