@@ -191,6 +191,15 @@ class Kube:
             raise
         return any(r.get("name") == spec.PLURAL for r in group.get("resources") or [])
 
+    # --- tuning and autoscaling (operator/tuning.py) ------------------------------------
+
+    def scale_inference_service(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Sets spec.replicas through the scale subresource (the same door HPA and KEDA use)."""
+        return self.request(
+            "PATCH", resource_path(spec.API_VERSION, spec.KIND, namespace, name, "scale"),
+            {"spec": {"replicas": replicas}}, content_type="application/merge-patch+json",
+        )
+
 
 def _api_message(data: bytes) -> str:
     try:
