@@ -268,29 +268,6 @@ class Observation:
     max_num_batched_tokens: int | None
     gpu_memory_utilization: float | None
 
-    def to_status(self) -> dict[str, float | int | None]:
-        """The short form kept in ``status.metrics`` (rounded for humans)."""
-
-        def r(value: float | None, digits: int = 3) -> float | None:
-            return None if value is None else round(value, digits)
-
-        return {
-            "tokensPerSecond": r(self.output_tokens_per_second, 1),
-            "requestsPerSecond": r(self.requests_per_second, 3),
-            "ttftP50Seconds": r(self.ttft_p50, 4),
-            "ttftP99Seconds": r(self.ttft_p99, 4),
-            "itlP50Seconds": r(self.itl_p50, 4),
-            "itlP99Seconds": r(self.itl_p99, 4),
-            "e2eP99Seconds": r(self.e2e_p99, 3),
-            "meanBatchSize": r(self.mean_running_per_pod, 2),
-            "running": r(self.running, 2),
-            "waiting": r(self.waiting, 2),
-            "kvCacheUsage": r(self.kv_cache_usage, 3),
-            "preemptionsPerSecond": r(self.preemptions_per_second, 3),
-            "prefixCacheHitRate": r(self.prefix_cache_hit_rate, 3),
-            "windowSeconds": r(self.window_seconds, 1),
-        }
-
 
 def observe(delta: WindowDelta) -> Observation:
     """Rates, quantiles and means of one (pod or merged) window delta."""
@@ -355,30 +332,41 @@ class PodWindow:
             raise ValueError(f"window_seconds must be positive, got {window_seconds}")
         self.window_seconds = window_seconds
         self.snapshots: deque[Snapshot] = deque()
+        self.expected_max_num_seqs: int | None = None  # a change we made ourselves: no break for it
 
     def add(self, snapshot: Snapshot) -> None:
-        if self.snapshots and self._breaks_window(self.snapshots[-1], snapshot):
+        if self.snapshots and self._breaks_window(self.snapshots[-1], snapshot, self.expected_max_num_seqs):
             self.snapshots.clear()
+        self.expected_max_num_seqs = None
         self.snapshots.append(snapshot)
         # Keep one snapshot at or beyond the window's start so the window stays full length.
         while len(self.snapshots) > 2 and snapshot.time - self.snapshots[1].time >= self.window_seconds:
             self.snapshots.popleft()
 
-    def restart(self) -> None:
-        """Forget all but the newest snapshot (after a setting was applied)."""
+    def restart(self, expect_max_num_seqs: int | None = None) -> None:
+        """Forget all but the newest snapshot, after the operator applied ``expect_max_num_seqs``.
+
+        The next window then starts at this moment and runs under the new setting.
+        """
         while len(self.snapshots) > 1:
             self.snapshots.popleft()
+        self.expected_max_num_seqs = expect_max_num_seqs
+
+    def latest_gauge(self, name: str) -> float | None:
+        return self.snapshots[-1].gauges.get(name) if self.snapshots else None
 
     def delta(self) -> WindowDelta | None:
         return window_delta(list(self.snapshots))
 
     @staticmethod
-    def _breaks_window(previous: Snapshot, current: Snapshot) -> bool:
+    def _breaks_window(previous: Snapshot, current: Snapshot, expected_max_num_seqs: int | None) -> bool:
         if any(current.counters.get(n, 0.0) < v for n, v in previous.counters.items()):
             return True
         before = previous.gauges.get(names.MAX_NUM_SEQS)
         after = current.gauges.get(names.MAX_NUM_SEQS)
-        return before is not None and after is not None and before != after
+        if before is None or after is None or before == after:
+            return False
+        return expected_max_num_seqs is None or int(after) != expected_max_num_seqs
 
 
 @dataclass(frozen=True)
@@ -460,6 +448,16 @@ class MetricsCollector:
         merged = merge_deltas(deltas)
         return ServiceMetrics(observe(merged) if merged is not None else None, reports)
 
-    def restart_windows(self) -> None:
+    def restart_windows(self, expect_max_num_seqs: int | None = None) -> None:
+        """Start every pod's window now: the operator just applied ``expect_max_num_seqs``."""
         for window in self.windows.values():
-            window.restart()
+            window.restart(expect_max_num_seqs)
+
+    def restart_pod_window(self, pod: str, expect_max_num_seqs: int | None = None) -> None:
+        if pod in self.windows:
+            self.windows[pod].restart(expect_max_num_seqs)
+
+    def latest_gauge(self, pod: str, name: str) -> float | None:
+        """A gauge from the pod's newest snapshot (None if never scraped or absent)."""
+        window = self.windows.get(pod)
+        return None if window is None else window.latest_gauge(name)

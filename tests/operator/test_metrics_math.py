@@ -164,6 +164,22 @@ def test_window_slides_and_restarts_on_engine_restart_or_setting_change():
     assert window.delta() is None
 
 
+def test_a_change_the_operator_made_starts_a_fresh_window_instead_of_breaking_it():
+    engine = EngineMetrics()
+    window = PodWindow(window_seconds=10.0)
+    window.add(parse_snapshot(engine.text(), 0.0))
+    engine.generation.inc(10)
+    window.add(parse_snapshot(engine.text(), 2.0))
+    window.restart(expect_max_num_seqs=32)
+    engine.max_num_seqs.set(32)
+    engine.generation.inc(30)
+    window.add(parse_snapshot(engine.text(), 5.0))
+    delta = window.delta()
+    assert delta.seconds == pytest.approx(3.0)
+    assert delta.counters[names.GENERATION_TOKENS] == pytest.approx(30.0)
+    assert observe(delta).max_num_seqs == 32
+
+
 def test_collector_merges_pods_and_reports_unscrapable_ones():
     collector = MetricsCollector(window_seconds=60.0)
     a, b = EngineMetrics(), EngineMetrics()
