@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,33 @@ def test_tuning_disabled_skips_the_bounds_rules():
                                      ("a" * 52, True), ("a" * 53, False), ("llama-", False)])
 def test_name_rule(name, ok):
     assert spec.NAME_RULE.check(name) is ok
+
+
+@pytest.mark.parametrize("example", ["minimal.yaml", "full.yaml"])
+def test_examples_are_valid(example):
+    from kvpilot.operator import crd
+
+    doc = yaml.safe_load((crd.REPO_ROOT / "examples" / example).read_text())
+    assert doc["apiVersion"] == spec.API_VERSION and doc["kind"] == spec.KIND
+    assert spec.NAME_RULE.check(doc["metadata"]["name"])
+    spec.parse_spec(doc["spec"])
+
+
+def test_full_example_sets_every_spec_field():
+    from kvpilot.operator import crd
+
+    doc = yaml.safe_load((crd.REPO_ROOT / "examples" / "full.yaml").read_text())
+
+    def unset(model_cls, values, prefix):
+        for name, field in model_cls.model_fields.items():
+            alias = field.alias or name
+            if alias not in values:
+                yield prefix + alias
+            else:
+                for candidate in (field.annotation, *typing.get_args(field.annotation)):
+                    if isinstance(candidate, type) and issubclass(candidate, spec.SpecModel):
+                        yield from unset(candidate, values[alias], f"{prefix}{alias}.")
+
+    missing = [f for f in unset(spec.InferenceServiceSpec, doc["spec"], "spec.")
+               if f not in ("spec.model.revision", "spec.model.tokenSecret")]  # hf:// only
+    assert missing == []
