@@ -59,3 +59,21 @@ def _non_negative_int(text: str) -> int:
 
 def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     """`kvpilot serve`: owned by engine/server/."""
+    from kvpilot.engine.server.args import EPILOG, add_serve_arguments
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL_PATH with the kvpilot engine: OpenAI-compatible /v1/completions and "
+        "/v1/chat/completions, /v1/models, /health, Prometheus /metrics, and the admin API "
+        "/admin/v1/scheduler for live tuning.",
+        epilog=EPILOG,
+    )
+    add_serve_arguments(parser)
+
+    def run(args: argparse.Namespace) -> int:
+        from kvpilot.engine.server.launcher import run_server
+
+        return run_server(args)
+
+    parser.set_defaults(func=run)

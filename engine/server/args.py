@@ -1,0 +1,176 @@
+"""The flags of ``kvpilot serve``, each also readable from a ``KVPILOT_*`` environment variable.
+
+Precedence: command line, then the environment variable, then the default. The
+environment is read after parsing, so a bad variable only breaks ``serve`` (and
+the error names the variable). Only argparse and the standard library are
+imported here: ``kvpilot --help`` must stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ENV_PREFIX = "KVPILOT_"
+
+
+class ArgsError(ValueError):
+    """A flag or environment value is invalid; the message names it."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4294967296``, ``4GiB``, ``512MiB``, ``1.5GB``, ``64k`` ..."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1073741824)")
+    number, prefix, binary = match.groups()
+    base = 1024 if binary or not prefix else 1000
+    exponent = " kmgt".index(prefix or " ")
+    return int(float(number) * base**exponent)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    dest: str
+    help: str
+    type: Callable[[str], Any] = str
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+    boolean: bool = False  # --x / --no-x
+    metavar: str | None = None
+
+    @property
+    def option(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+SERVE_FLAGS = (
+    Flag("host", "address to listen on", default="0.0.0.0"),
+    Flag("port", "port to listen on", type=positive_int, default=8000),
+    Flag("served_model_name", "model name clients send in `model` (default: MODEL_PATH as given)"),
+    Flag("max_num_seqs", "most sequences in the running batch (engine default: 64)", type=positive_int),
+    Flag("max_num_batched_tokens", "token budget of one engine step (engine default: 2048 with chunked prefill)",
+         type=positive_int),
+    Flag("max_model_len", "context length: prompt plus output tokens (default: the model's)", type=positive_int),
+    Flag("block_size", "tokens per KV cache block (power of two; default 16)", type=positive_int),
+    Flag("gpu_memory_utilization", "fraction of GPU memory the engine may use in all (default 0.9)", type=float),
+    Flag("kv_cache_memory", "KV cache size on CPU, in bytes or with a unit: 4GiB, 512MiB", type=parse_size,
+         metavar="SIZE"),
+    Flag("dtype", "weight and activation dtype", choices=("auto", "float32", "bfloat16", "float16")),
+    Flag("device", "where to run", choices=("auto", "cpu", "cuda")),
+    Flag("attention_backend", "attention implementation (auto: triton on GPU, torch on CPU)",
+         choices=("auto", "torch", "triton")),
+    Flag("enforce_eager", "disable CUDA graphs", boolean=True),
+    Flag("enable_prefix_caching", "reuse KV blocks of shared prompt prefixes (default on)", boolean=True),
+    Flag("enable_chunked_prefill", "split long prompts across steps (default on)", boolean=True),
+    Flag("seed", "engine random seed (default 0)", type=int),
+    Flag("max_waiting_requests", "requests that may wait for a batch slot; beyond it 429 + Retry-After",
+         type=positive_int, default=1024),
+    Flag("api_key", "require `Authorization: Bearer <key>` on /v1/*", metavar="KEY"),
+    Flag("admin_token", "enable /admin/v1/scheduler, guarded by `Authorization: Bearer <token>`", metavar="TOKEN"),
+    Flag("shutdown_grace_period", "seconds SIGTERM waits for in-flight requests before aborting them",
+         type=non_negative_float, default=30.0, metavar="SECONDS"),
+    Flag("tuning_file", "JSON/YAML file with persisted live-tuned values {maxNumSeqs, maxNumBatchedTokens, "
+         "gpuMemoryUtilization}; they override the flags at start", metavar="PATH"),
+    Flag("log_level", "log level", default="info", choices=("debug", "info", "warning", "error")),
+)  # fmt: skip
+
+ENGINE_FIELDS = (
+    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "gpu_memory_utilization",
+    "kv_cache_memory", "dtype", "device", "attention_backend", "enforce_eager", "enable_prefix_caching",
+    "enable_chunked_prefill", "seed",
+)  # fmt: skip
+
+EPILOG = (
+    "Every flag can also be set with an environment variable KVPILOT_<FLAG>, the flag's name in upper case with "
+    "underscores (--max-num-seqs -> KVPILOT_MAX_NUM_SEQS, --admin-token -> KVPILOT_ADMIN_TOKEN, "
+    "--enable-prefix-caching -> KVPILOT_ENABLE_PREFIX_CACHING=true|false, MODEL_PATH -> KVPILOT_MODEL). "
+    "A flag on the command line wins over its variable."
+)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", metavar="MODEL_PATH",
+                        help="Hugging Face model folder (config.json, safetensors, tokenizer) [env KVPILOT_MODEL]")
+    for flag in SERVE_FLAGS:
+        suffix = f" [env {flag.env}]"
+        if flag.default is not None:
+            suffix = f" (default: {flag.default})" + suffix
+        if flag.boolean:
+            parser.add_argument(flag.option, dest=flag.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=flag.help + suffix)
+        else:
+            parser.add_argument(flag.option, dest=flag.dest, type=flag.type, choices=flag.choices, default=None,
+                                metavar=flag.metavar, help=flag.help + suffix)
+
+
+def resolve_serve_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
+    """Fill flags not given on the command line from KVPILOT_* variables, then from defaults."""
+    values = dict(vars(args))
+    if values.get("model") is None:
+        values["model"] = environ.get(ENV_PREFIX + "MODEL")
+    if not values["model"]:
+        raise ArgsError("MODEL_PATH: give the model folder as the first argument or set KVPILOT_MODEL")
+    for flag in SERVE_FLAGS:
+        if values.get(flag.dest) is not None:
+            continue
+        raw = environ.get(flag.env)
+        if raw is None or raw == "":
+            values[flag.dest] = flag.default
+            continue
+        values[flag.dest] = _convert_env(flag, raw)
+    if values["served_model_name"] is None:
+        values["served_model_name"] = values["model"]
+    return argparse.Namespace(**values)
+
+
+def _convert_env(flag: Flag, raw: str) -> Any:
+    try:
+        value = parse_bool(raw) if flag.boolean else flag.type(raw)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ArgsError(f"{flag.env}={raw!r} (for {flag.option}): {exc}") from None
+    if flag.choices is not None and value not in flag.choices:
+        raise ArgsError(f"{flag.env}={raw!r} (for {flag.option}): must be one of {', '.join(flag.choices)}")
+    return value
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields the user set; the rest keep EngineConfig's defaults."""
+    return {name: getattr(args, name) for name in ENGINE_FIELDS if getattr(args, name) is not None}

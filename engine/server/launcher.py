@@ -1,0 +1,150 @@
+"""``kvpilot serve``: load the engine, apply persisted tuning, run uvicorn until drained."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvpilot.engine.server.args import ArgsError, engine_overrides, resolve_serve_args
+
+logger = logging.getLogger("kvpilot.serve")
+
+# Keys the operator persists (its CRD spelling) -> the engine flag they override.
+TUNING_KEYS = {
+    "maxNumSeqs": "max_num_seqs",
+    "maxNumBatchedTokens": "max_num_batched_tokens",
+    "gpuMemoryUtilization": "gpu_memory_utilization",
+}
+
+
+class TuningFileError(ValueError):
+    """The tuning file exists but cannot be used; the message names the file and the key."""
+
+
+def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
+    """The persisted tuning values as engine flag names; None when the file does not exist.
+
+    The file is a JSON or YAML mapping (JSON is YAML). A folder is read as a
+    mounted ConfigMap: one file per key.
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        return None
+    if path.is_dir():
+        raw: Any = {key: (path / key).read_text().strip() for key in TUNING_KEYS if (path / key).is_file()}
+        raw = {key: yaml.safe_load(value) for key, value in raw.items()}
+    else:
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise TuningFileError(f"tuning file {path}: not valid JSON/YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise TuningFileError(f"tuning file {path}: expected a mapping like {{maxNumSeqs: 32}}, got {type(raw).__name__}")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in TUNING_KEYS:
+            logger.warning("tuning file %s: ignoring unknown key %r (known: %s)", path, key, ", ".join(TUNING_KEYS))
+            continue
+        if value is None:
+            continue
+        if key == "gpuMemoryUtilization":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        if not ok:
+            expected = "a fraction in (0, 1]" if key == "gpuMemoryUtilization" else "a positive integer"
+            raise TuningFileError(f"tuning file {path}: {key} must be {expected}, got {value!r}")
+        values[TUNING_KEYS[key]] = value
+    return values
+
+
+def run_server(args: argparse.Namespace) -> int:
+    try:
+        args = resolve_serve_args(args)
+    except ArgsError as exc:
+        print(f"kvpilot serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
+    overrides = engine_overrides(args)
+    if args.tuning_file is not None:
+        try:
+            tuned = load_tuning_file(args.tuning_file)
+        except (TuningFileError, OSError) as exc:
+            print(f"kvpilot serve: error: {exc}", file=sys.stderr)
+            return 2
+        if tuned is None:
+            logger.info("tuning file %s does not exist (yet): using the flags", args.tuning_file)
+        else:
+            changes = {k: (overrides.get(k), v) for k, v in tuned.items() if overrides.get(k) != v}
+            logger.info(
+                "tuning file %s overrides the flags: %s",
+                args.tuning_file,
+                ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items()) or "no change",
+            )
+            overrides.update(tuned)
+
+    import uvicorn
+
+    from kvpilot.engine.config import EngineConfig
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.server.api_server import DrainingServer, ServerSettings, build_app
+
+    try:
+        config = EngineConfig(model=args.model, **overrides)
+        logger.info("loading %s", args.model)
+        engine = LLMEngine.from_config(config)
+    except ValueError as exc:  # ConfigError, ModelLoadError: both say what to change
+        print(f"kvpilot serve: error: {exc}", file=sys.stderr)
+        return 2
+    _log_engine(engine, args.served_model_name)
+
+    settings = ServerSettings(
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        admin_token=args.admin_token,
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_grace_period=args.shutdown_grace_period,
+    )
+    app = build_app(engine, settings)
+    logger.info(
+        "listening on http://%s:%d (API key %s, admin API %s, waiting queue %d, shutdown grace %.0fs)",
+        args.host, args.port, "required" if args.api_key else "off",
+        "on" if args.admin_token else "off", args.max_waiting_requests, args.shutdown_grace_period,
+    )  # fmt: skip
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        # The drain already waited for the engine; this only bounds the last response writes.
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = DrainingServer(uvicorn_config, app.state.kvpilot)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _log_engine(engine: Any, served_name: str) -> None:
+    config, resolved, arch = engine.config, engine.resolved, engine.arch
+    logger.info(
+        "loaded %s (%s, %d layers, hidden %d, vocab %d) on %s as %s, attention backend %s",
+        config.model, arch.architecture, arch.num_layers, arch.hidden_size, arch.vocab_size,
+        resolved.device, resolved.dtype, resolved.attention_backend,
+    )  # fmt: skip
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d token slots (%.1f MiB); max_model_len %d, max_num_seqs %d, "
+        "max_num_batched_tokens %d, prefix caching %s, chunked prefill %s",
+        resolved.num_kv_blocks, config.block_size, resolved.num_kv_blocks * config.block_size,
+        resolved.num_kv_blocks * resolved.kv_block_bytes / 1024**2, resolved.max_model_len, config.max_num_seqs,
+        resolved.max_num_batched_tokens, "on" if config.enable_prefix_caching else "off",
+        "on" if config.enable_chunked_prefill else "off",
+    )  # fmt: skip
+    logger.info("serving it as model %r", served_name)

@@ -1,0 +1,201 @@
+"""Prometheus metrics of one server, named by the contract in kvpilot/metric_names.py.
+
+Gauges and the engine's own counters are read from the engine's latest stats
+snapshot at scrape time (a custom collector), so they can never drift from the
+engine's accounting. Per-request histograms and the finish-reason counter are
+observed on the engine thread as outputs come out of ``step()``
+(``ServerMetrics`` is the async engine's ``StepObserver``). Every sample carries
+a ``model_name`` label, as vLLM's do, so ported dashboards can filter on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpilot import metric_names as names
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class _Progress:
+    num_tokens: int = 0  # tokens of the request's longest sequence seen so far
+    last_token_time: float | None = None
+
+
+class EngineStatsCollector(Collector):
+    """Exposes the engine's stats snapshot as gauges and counters at scrape time."""
+
+    def __init__(
+        self,
+        stats: Callable[[], Any],
+        num_waiting: Callable[[], int],
+        model_name: str,
+        gpu_memory_utilization: float,
+        model_info: dict[str, str],
+    ) -> None:
+        self._stats = stats
+        self._num_waiting = num_waiting
+        self._model_name = model_name
+        self._gpu_memory_utilization = gpu_memory_utilization
+        self._model_info = model_info
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        label = [names.MODEL_NAME_LABEL]
+        value = [self._model_name]
+
+        def gauge(name: str, doc: str, sample: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=label)
+            family.add_metric(value, sample)
+            return family
+
+        def counter(name: str, doc: str, sample: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(names.counter_base_name(name), doc, labels=label)
+            family.add_metric(value, sample)
+            return family
+
+        yield gauge(names.REQUESTS_RUNNING, "Requests being generated (in the running batch).", stats.num_running)
+        yield gauge(
+            names.REQUESTS_WAITING,
+            "Requests accepted and not yet scheduled (the engine's waiting queue plus requests handed to it).",
+            self._num_waiting(),
+        )
+        yield gauge(names.KV_CACHE_USAGE, "KV cache blocks in use / blocks total (0-1).", stats.kv_cache_usage)
+        yield gauge(names.KV_CACHE_BLOCKS, "KV cache blocks the engine was given at start-up.", stats.num_kv_blocks)
+        yield gauge(
+            names.KV_CACHE_UTILIZATION,
+            "Tokens stored / token slots held by live requests (0-1): how full the allocated blocks are.",
+            stats.kv_utilization,
+        )
+        yield gauge(names.MAX_NUM_SEQS, "Current max_num_seqs (changes live via the admin API).", stats.max_num_seqs)
+        yield gauge(
+            names.MAX_NUM_BATCHED_TOKENS,
+            "Current max_num_batched_tokens (changes live via the admin API).",
+            stats.max_num_batched_tokens,
+        )
+        yield gauge(
+            names.GPU_MEMORY_UTILIZATION,
+            "gpu_memory_utilization the engine started with (fraction of device memory).",
+            self._gpu_memory_utilization,
+        )
+        info = GaugeMetricFamily(
+            names.MODEL_INFO,
+            "Always 1; the labels describe the served model and engine settings.",
+            labels=[names.MODEL_NAME_LABEL, *self._model_info],
+        )
+        info.add_metric([self._model_name, *self._model_info.values()], 1)
+        yield info
+        yield counter(names.PREEMPTIONS, "Sequences preempted (KV freed, recomputed later).", stats.preemptions_total)
+        yield counter(
+            names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries_total
+        )
+        yield counter(
+            names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits_total
+        )
+        yield counter(names.PROMPT_TOKENS, "Prompt tokens of admitted requests.", stats.prompt_tokens_total)
+        yield counter(names.GENERATION_TOKENS, "Tokens generated.", stats.generation_tokens_total)
+        yield counter(names.ENGINE_STEPS, "Engine steps that ran a forward pass.", stats.steps_total)
+        yield counter(
+            names.STEP_RUNNING_SEQS,
+            "Running sequences summed over steps (divide by steps for the mean batch size).",
+            stats.step_running_seqs_total,
+        )
+
+
+class ServerMetrics:
+    """The server's registry; also the async engine's StepObserver (called on the engine thread)."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        stats: Callable[[], Any],
+        num_waiting: Callable[[], int],
+        gpu_memory_utilization: float,
+        model_info: dict[str, str],
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(
+            EngineStatsCollector(stats, num_waiting, model_name, gpu_memory_utilization, model_info)
+        )
+        label = [names.MODEL_NAME_LABEL]
+        self.request_success = Counter(
+            names.counter_base_name(names.REQUEST_SUCCESS),
+            "Finished sequences by finish reason (stop, length, abort); n>1 counts each sequence.",
+            labelnames=[names.MODEL_NAME_LABEL, names.FINISH_REASON_LABEL],
+            registry=self.registry,
+        )
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        self.time_to_first_token = Histogram(
+            names.TIME_TO_FIRST_TOKEN,
+            "Seconds from arrival to the first generated token.",
+            labelnames=label,
+            buckets=names.TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            names.INTER_TOKEN_LATENCY,
+            "Seconds between consecutive tokens of a request (per token).",
+            labelnames=label,
+            buckets=names.INTER_TOKEN_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            names.E2E_REQUEST_LATENCY,
+            "Seconds from arrival to the last token of a finished request.",
+            labelnames=label,
+            buckets=names.REQUEST_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_queue_time = Histogram(
+            names.REQUEST_QUEUE_TIME,
+            "Seconds from arrival until the request was first scheduled.",
+            labelnames=label,
+            buckets=names.REQUEST_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._progress: dict[str, _Progress] = {}
+
+    # ---- StepObserver (engine thread) -------------------------------------------
+
+    def on_step(self, outputs: list[Any], now: float) -> None:
+        for output in outputs:
+            progress = self._progress.setdefault(output.request_id, _Progress())
+            num_tokens = max((len(seq.token_ids) for seq in output.outputs), default=0)
+            new_tokens = num_tokens - progress.num_tokens
+            if new_tokens > 0:
+                if progress.last_token_time is None:
+                    self._observe_first_token(output, now)
+                else:
+                    per_token = (now - progress.last_token_time) / new_tokens
+                    for _ in range(new_tokens):
+                        self.inter_token_latency.observe(per_token)
+                progress.num_tokens = num_tokens
+                progress.last_token_time = now
+            if output.finished:
+                del self._progress[output.request_id]
+                metrics = output.metrics
+                finished = metrics.finished_time if metrics.finished_time is not None else now
+                self.e2e_request_latency.observe(max(finished - metrics.arrival_time, 0.0))
+                for seq in output.outputs:
+                    self.request_success.labels(self.model_name, seq.finish_reason or "abort").inc()
+
+    def on_abort(self, request_id: str, num_sequences: int) -> None:
+        self._progress.pop(request_id, None)
+        self.request_success.labels(self.model_name, "abort").inc(num_sequences)
+
+    def _observe_first_token(self, output: Any, now: float) -> None:
+        metrics = output.metrics
+        first_token = metrics.first_token_time if metrics.first_token_time is not None else now
+        self.time_to_first_token.observe(max(first_token - metrics.arrival_time, 0.0))
+        scheduled = metrics.first_scheduled_time if metrics.first_scheduled_time is not None else first_token
+        self.request_queue_time.observe(max(scheduled - metrics.arrival_time, 0.0))

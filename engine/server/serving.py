@@ -1,0 +1,625 @@
+"""The serving logic behind /v1/completions and /v1/chat/completions.
+
+A request becomes prompt token ids (the chat template comes from the model's
+tokenizer) and SamplingParams, goes to the async engine, and its cumulative
+outputs become one OpenAI response or a stream of Server-Sent Events. Every
+method returns a response model, an ``ErrorResult`` or an async iterator of SSE
+lines; it never raises for a client's mistake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server import protocol as p
+from kvpilot.engine.server.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    RequestAbortedError,
+    RequestStream,
+)
+
+logger = logging.getLogger(__name__)
+
+# Seconds a rejected client should wait; one engine step is well below it.
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ErrorResult:
+    status: int
+    body: p.ErrorResponse
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def error(
+    status: int, message: str, *, param: str | None = None, code: str | None = None, err_type: str | None = None
+) -> ErrorResult:
+    default_type = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+    }.get(status, "server_error")
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
+    info = p.ErrorInfo(message=message, type=err_type or default_type, param=param, code=code)
+    return ErrorResult(status, p.ErrorResponse(error=info), headers)
+
+
+class ServingError(Exception):
+    """A request problem found deep in the serving logic; becomes an ErrorResult at the edge."""
+
+    def __init__(self, result: ErrorResult) -> None:
+        super().__init__(result.body.error.message)
+        self.result = result
+
+
+# SamplingParams names its field first in every message ("temperature: must be ...").
+_SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "stop_token_ids", "stop", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
+    "skip_special_tokens", "include_stop_str_in_output",
+)  # fmt: skip
+
+
+def param_from_message(message: str, candidates: Sequence[str] = _SAMPLING_FIELDS) -> str | None:
+    """The field a validation message is about: its first word if that is a field
+    (``"stop[0] must be ..."``, ``"temperature: ..."``), else the first field it mentions."""
+    first = re.split(r"[\s:(]", message.strip(), maxsplit=1)[0]
+    if first.split("[")[0] in candidates:
+        return first
+    mentions = [
+        (match.start(), name)
+        for name in candidates
+        if (match := re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message)) is not None
+    ]
+    return min(mentions)[1] if mentions else None
+
+
+@dataclass
+class ModelInfo:
+    served_name: str
+    root: str
+    max_model_len: int
+
+
+@dataclass
+class _PromptInput:
+    token_ids: list[int]
+    text: str | None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model: ModelInfo) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model = model
+        self._token_text: dict[int, str] = {}
+
+    # ---- models ----------------------------------------------------------------
+
+    def list_models(self) -> p.ModelList:
+        card = p.ModelCard(id=self.model.served_name, root=self.model.root, max_model_len=self.model.max_model_len)
+        return p.ModelList(data=[card])
+
+    def check_model(self, requested: str | None) -> ErrorResult | None:
+        if requested is None or requested == self.model.served_name:
+            return None
+        return error(
+            404,
+            f"The model `{requested}` does not exist; this server serves `{self.model.served_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+    # ---- completions -------------------------------------------------------------
+
+    async def create_completion(
+        self, request: p.CompletionRequest, is_disconnected: Callable[[], Any]
+    ) -> p.CompletionResponse | ErrorResult | AsyncIterator[str]:
+        if (problem := self.check_model(request.model)) is not None:
+            return problem
+        try:
+            prompts = [self._completion_prompt(prompt) for prompt in _split_prompts(request.prompt)]
+            params = [
+                self._sampling_params(request, prompt, request.max_tokens, request.logprobs, "prompt")
+                for prompt in prompts
+            ]
+            request_id = f"cmpl-{uuid.uuid4().hex}"
+            streams = await self._add_all(request_id, prompts, params)
+        except ServingError as exc:
+            return exc.result
+        builder = _CompletionBuilder(self, request, request_id, prompts)
+        if request.stream:
+            return self._stream(streams, builder, is_disconnected)
+        return await self._collect(streams, builder, is_disconnected)
+
+    def _completion_prompt(self, prompt: str | list[int]) -> _PromptInput:
+        if isinstance(prompt, str):
+            return _PromptInput(self.tokenizer.encode(prompt, add_special_tokens=True), prompt)
+        return _PromptInput(list(prompt), None)
+
+    # ---- chat ----------------------------------------------------------------------
+
+    async def create_chat_completion(
+        self, request: p.ChatCompletionRequest, is_disconnected: Callable[[], Any]
+    ) -> p.ChatCompletionResponse | ErrorResult | AsyncIterator[str]:
+        if (problem := self.check_model(request.model)) is not None:
+            return problem
+        try:
+            prompt = self._chat_prompt(request)
+            top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+            params = [self._sampling_params(request, prompt, request.output_token_limit(), top_logprobs, "messages")]
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            streams = await self._add_all(request_id, [prompt], params)
+        except ServingError as exc:
+            return exc.result
+        builder = _ChatBuilder(self, request, request_id, [prompt])
+        if request.stream:
+            return self._stream(streams, builder, is_disconnected)
+        return await self._collect(streams, builder, is_disconnected)
+
+    def _chat_prompt(self, request: p.ChatCompletionRequest) -> _PromptInput:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ServingError(
+                error(
+                    400,
+                    f"The model `{self.model.served_name}` has no chat template (no chat_template in its "
+                    "tokenizer_config.json), so /v1/chat/completions cannot format messages; use "
+                    "/v1/completions with a plain prompt, or serve a model that ships a chat template.",
+                    param="messages",
+                    code="chat_template_missing",
+                )
+            )
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+            )
+        except Exception as exc:  # the template is the model's own Jinja code and may raise anything
+            raise ServingError(error(400, f"The chat template rejected these messages: {exc}", param="messages"))
+        # The rendered template already holds the BOS text, if the model uses one.
+        return _PromptInput(self.tokenizer.encode(text, add_special_tokens=False), text)
+
+    # ---- shared ---------------------------------------------------------------------
+
+    def _sampling_params(
+        self,
+        request: p.SamplingFields,
+        prompt: _PromptInput,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_param: str,
+    ) -> SamplingParams:
+        limit = self.model.max_model_len
+        num_prompt = len(prompt.token_ids)
+        if num_prompt >= limit:
+            raise ServingError(
+                error(
+                    400,
+                    f"This model's maximum context length is {limit} tokens, but the prompt has {num_prompt} "
+                    f"tokens, leaving no room to generate. Shorten the {prompt_param}.",
+                    param=prompt_param,
+                    code="context_length_exceeded",
+                )
+            )
+        if max_tokens is None:
+            max_tokens = limit - num_prompt
+        elif num_prompt + max_tokens > limit:
+            raise ServingError(
+                error(
+                    400,
+                    f"This model's maximum context length is {limit} tokens, but you requested "
+                    f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                    f"completion). Lower max_tokens to at most {limit - num_prompt} or shorten the {prompt_param}.",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            )
+        values: dict[str, Any] = {
+            "n": request.n,
+            "seed": request.seed,
+            "stop": request.stop or [],
+            "stop_token_ids": request.stop_token_ids or [],
+            "ignore_eos": request.ignore_eos,
+            "max_tokens": max_tokens,
+            "min_tokens": request.min_tokens,
+            "logprobs": logprobs,
+            "skip_special_tokens": request.skip_special_tokens,
+            "include_stop_str_in_output": request.include_stop_str_in_output,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            if (value := getattr(request, name)) is not None:
+                values[name] = value
+        try:
+            return SamplingParams(**values)
+        except ValueError as exc:
+            raise ServingError(error(400, str(exc), param=param_from_message(str(exc)))) from None
+
+    async def _add_all(
+        self, request_id: str, prompts: list[_PromptInput], params: list[SamplingParams]
+    ) -> list[RequestStream]:
+        arrival = time.monotonic()
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
+                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(
+                    await self.engine.add_request(
+                        engine_id, prompt.token_ids, sampling, prompt=prompt.text, arrival_time=arrival
+                    )
+                )
+        except BaseException as exc:
+            for stream in streams:
+                self.engine.abort(stream.request_id, num_sequences=params[0].n)
+            if isinstance(exc, EngineOverloadedError):
+                raise ServingError(error(429, str(exc), code="queue_full")) from None
+            if isinstance(exc, EngineDrainingError):
+                raise ServingError(error(503, str(exc), code="shutting_down")) from None
+            if isinstance(exc, EngineDeadError):
+                raise ServingError(error(503, str(exc), code="engine_dead", err_type="server_error")) from None
+            if isinstance(exc, ValueError):
+                param = "prompt" if "token" in str(exc) or "prompt" in str(exc) else param_from_message(str(exc))
+                raise ServingError(error(400, str(exc), param=param)) from None
+            raise
+        return streams
+
+    async def _collect(
+        self, streams: list[RequestStream], builder: _ResponseBuilder, is_disconnected: Callable[[], Any]
+    ) -> Any:
+        finals: list[Any] = [None] * len(streams)
+        try:
+            async with _abort_on_disconnect(self.engine, streams, is_disconnected):
+                async for index, output in _merge(streams):
+                    finals[index] = output
+        except EngineDeadError as exc:
+            return error(503, str(exc), code="engine_dead", err_type="server_error")
+        except RequestAbortedError as exc:
+            return error(503, str(exc), code="aborted", err_type="server_error")
+        return builder.full_response(finals)
+
+    async def _stream(
+        self, streams: list[RequestStream], builder: _ResponseBuilder, is_disconnected: Callable[[], Any]
+    ) -> AsyncIterator[str]:
+        try:
+            async with _abort_on_disconnect(self.engine, streams, is_disconnected):
+                for chunk in builder.first_chunks():
+                    yield _sse(chunk)
+                async for index, output in _merge(streams):
+                    for chunk in builder.chunks(index, output):
+                        yield _sse(chunk)
+                if (usage := builder.final_usage_chunk()) is not None:
+                    yield _sse(usage)
+        except (EngineDeadError, RequestAbortedError) as exc:
+            yield _sse(error(503, str(exc), err_type="server_error").body)
+        yield "data: [DONE]\n\n"
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [prompt]  # one prompt given as token ids
+    return list(prompt)
+
+
+def _sse(model: Any) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            queue.put_nowait((index, exc))
+        queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class _abort_on_disconnect:
+    """Aborts the streams' engine requests when the client disconnects or the consumer stops early.
+
+    ``is_disconnected`` is awaited in a side task; it returns once the client's
+    connection is gone (api_server.py passes a listener on the ASGI receive channel).
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, streams: list[RequestStream], is_disconnected: Callable[[], Any]):
+        self._engine = engine
+        self._streams = streams
+        self._is_disconnected = is_disconnected
+        self._watcher: asyncio.Task | None = None
+
+    async def __aenter__(self) -> None:
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        await self._is_disconnected()
+        unfinished = [s for s in self._streams if not s.finished]
+        if unfinished:
+            logger.info("client disconnected; aborting %s", ", ".join(s.request_id for s in unfinished))
+        self._abort_unfinished()
+
+    def _abort_unfinished(self) -> None:
+        for stream in self._streams:
+            if not stream.finished:
+                self._engine.abort(stream.request_id)
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        assert self._watcher is not None
+        self._watcher.cancel()
+        # Reached early (an exception, or the consumer closed the stream): free the blocks now.
+        self._abort_unfinished()
+
+
+class _ResponseBuilder:
+    """Turns cumulative engine outputs into one response or into stream chunks."""
+
+    def __init__(self, serving: OpenAIServing, request: Any, request_id: str, prompts: list[_PromptInput]) -> None:
+        self.serving = serving
+        self.request = request
+        self.request_id = request_id
+        self.prompts = prompts
+        self.n = request.n
+        self.created = int(time.time())
+        stop = request.stop
+        self.stops: tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        # Per choice (prompt index * n + sequence index): what was already streamed.
+        self._sent_text: dict[int, int] = {}
+        self._sent_tokens: dict[int, int] = {}
+        self._finished: set[int] = set()
+        self._last: dict[int, Any] = {}  # latest RequestOutput per prompt, for usage
+
+    def usage(self, finals: list[Any]) -> p.UsageInfo:
+        prompt_tokens = sum(len(prompt.token_ids) for prompt in self.prompts)
+        completion = sum(len(seq.token_ids) for out in finals if out is not None for seq in out.outputs)
+        cached = sum(out.num_cached_tokens for out in finals if out is not None)
+        return p.UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
+        )
+
+    def include_usage(self) -> bool:
+        return bool(self.request.stream_options and self.request.stream_options.include_usage)
+
+    def first_chunks(self) -> list[Any]:
+        return []
+
+    def chunks(self, prompt_index: int, output: Any) -> list[Any]:
+        """Chunks for what is new in ``output`` (cumulative) since the last call."""
+        self._last[prompt_index] = output
+        chunks = []
+        for seq in output.outputs:
+            choice = prompt_index * self.n + seq.index
+            if choice in self._finished:
+                continue
+            sent_text = self._sent_text.get(choice, 0)
+            stable_end = len(seq.text)
+            if seq.finish_reason is None:
+                stable_end -= self._possible_stop_prefix_len(seq.text[sent_text:])
+            delta_text = seq.text[sent_text:stable_end]
+            if not delta_text and seq.finish_reason is None:
+                continue  # tokens without text yet (a partial character, a possible stop string)
+            sent_tokens = self._sent_tokens.get(choice, 0)
+            chunks.append(self.delta_chunk(choice, prompt_index, seq, delta_text, sent_tokens))
+            self._sent_text[choice] = stable_end
+            self._sent_tokens[choice] = len(seq.token_ids)
+            if seq.finish_reason is not None:
+                self._finished.add(choice)
+        return chunks
+
+    def _possible_stop_prefix_len(self, unsent: str) -> int:
+        """Length of the longest tail of ``unsent`` that a stop string starts with.
+
+        The engine's text drops a stop string only once it has fully appeared, so
+        a tail that may still grow into one is held back: streamed text is then
+        always a prefix of the final text.
+        """
+        if self.request.include_stop_str_in_output or not self.stops:
+            return 0
+        for length in range(min(len(unsent), max(map(len, self.stops)) - 1), 0, -1):
+            if any(stop.startswith(unsent[-length:]) for stop in self.stops):
+                return length
+        return 0
+
+    def final_usage_chunk(self) -> Any | None:
+        if not self.include_usage():
+            return None
+        return self.chunk_model(choices=[], usage=self.usage(list(self._last.values())))
+
+    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any:
+        raise NotImplementedError
+
+    def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> Any:
+        raise NotImplementedError
+
+    def full_response(self, finals: list[Any]) -> Any:
+        raise NotImplementedError
+
+
+class _CompletionBuilder(_ResponseBuilder):
+    def _echo_prefix(self, prompt_index: int, choice: int) -> str:
+        if not self.request.echo or choice in self._sent_text:
+            return ""
+        prompt = self.prompts[prompt_index]
+        return prompt.text if prompt.text is not None else self.serving.tokenizer.decode(prompt.token_ids)
+
+    def _logprobs(self, seq: Any, start: int, text_offset: int) -> p.CompletionLogprobs | None:
+        if self.request.logprobs is None or seq.logprobs is None:
+            return None
+        result = p.CompletionLogprobs()
+        offset = text_offset
+        for token_id, top in zip(seq.token_ids[start:], seq.logprobs[start:], strict=True):
+            token = self.serving.token_text(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(_finite(top.get(token_id)))
+            result.top_logprobs.append({self.serving.token_text(t): _finite(lp) for t, lp in top.items()})
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any:
+        prefix = self._echo_prefix(prompt_index, choice)
+        offset = self._sent_text.get(choice, 0)
+        return self.chunk_model(
+            [
+                p.CompletionChoice(
+                    index=choice,
+                    text=prefix + delta_text,
+                    logprobs=self._logprobs(seq, sent_tokens, offset + len(prefix)),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            ]
+        )
+
+    def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> p.CompletionChunk:
+        return p.CompletionChunk(
+            id=self.request_id, created=self.created, model=self.serving.model.served_name, choices=choices, usage=usage
+        )
+
+    def full_response(self, finals: list[Any]) -> p.CompletionResponse:
+        choices = []
+        for prompt_index, output in enumerate(finals):
+            for seq in output.outputs:
+                choice = prompt_index * self.n + seq.index
+                prefix = self._echo_prefix(prompt_index, choice)
+                choices.append(
+                    p.CompletionChoice(
+                        index=choice,
+                        text=prefix + seq.text,
+                        logprobs=self._logprobs(seq, 0, len(prefix)),
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda c: c.index)
+        return p.CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.serving.model.served_name,
+            choices=choices,
+            usage=self.usage(finals),
+        )
+
+
+class _ChatBuilder(_ResponseBuilder):
+    def _logprobs(self, seq: Any, start: int) -> p.ChatLogprobs | None:
+        if not self.request.logprobs or seq.logprobs is None:
+            return None
+        k = self.request.top_logprobs or 0
+        content = []
+        for token_id, top in zip(seq.token_ids[start:], seq.logprobs[start:], strict=True):
+            best = sorted(top.items(), key=lambda item: item[1], reverse=True)[:k]
+            content.append(
+                p.ChatTokenLogprob(
+                    **self._entry(token_id, top.get(token_id)),
+                    top_logprobs=[p.TopLogprob(**self._entry(t, lp)) for t, lp in best],
+                )
+            )
+        return p.ChatLogprobs(content=content)
+
+    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+        token = self.serving.token_text(token_id)
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+    def first_chunks(self) -> list[Any]:
+        # OpenAI opens every choice with the assistant role and empty content.
+        return [
+            self.chunk_model([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
+            for i in range(self.n)
+        ]
+
+    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any:
+        delta = p.DeltaMessage(content=delta_text) if delta_text else p.DeltaMessage()
+        return self.chunk_model(
+            [
+                p.ChatStreamChoice(
+                    index=choice,
+                    delta=delta,
+                    logprobs=self._logprobs(seq, sent_tokens),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            ]
+        )
+
+    def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.serving.model.served_name, choices=choices, usage=usage
+        )
+
+    def full_response(self, finals: list[Any]) -> p.ChatCompletionResponse:
+        (output,) = finals
+        choices = [
+            p.ChatCompletionChoice(
+                index=seq.index,
+                message=p.ChatResponseMessage(content=seq.text),
+                logprobs=self._logprobs(seq, 0),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in sorted(output.outputs, key=lambda s: s.index)
+        ]
+        return p.ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.serving.model.served_name,
+            choices=choices,
+            usage=self.usage(finals),
+        )
+
+
+def _finite(logprob: float | None) -> float | None:
+    """JSON has no -inf; a token masked to -inf is reported with the lowest float."""
+    if logprob is None:
+        return None
+    return logprob if math.isfinite(logprob) else -9999.0

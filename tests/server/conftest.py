@@ -1,0 +1,86 @@
+"""Real uvicorn servers on 127.0.0.1 serving the generated tiny model (tests/conftest.py's tiny_model_dir)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: Any
+    server: Any
+    thread: threading.Thread
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.kvpilot
+
+    @property
+    def engine(self) -> Any:
+        return self.state.async_engine.engine
+
+    def wait_idle(self, timeout: float = 30.0) -> Any:
+        """Waits until no request is in flight and the engine holds no KV blocks; returns the stats."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = self.state.async_engine.stats()
+            if self.state.async_engine.num_in_flight == 0 and stats.num_running == 0 and stats.num_waiting == 0:
+                return stats
+            time.sleep(0.02)
+        raise AssertionError(f"server not idle after {timeout}s: {self.state.async_engine.stats()}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_server(model_dir: Path, **settings: Any) -> LiveServer:
+    """Loads an engine on ``model_dir`` and serves it from a uvicorn thread on a free 127.0.0.1 port."""
+    import uvicorn
+
+    from kvpilot.engine.config import EngineConfig
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.server.api_server import DrainingServer, ServerSettings, build_app
+
+    engine_kwargs = settings.pop("engine", {})
+    config = EngineConfig(model=str(model_dir), device="cpu", max_model_len=512, **engine_kwargs)
+    engine = LLMEngine.from_config(config)
+    settings.setdefault("served_model_name", "tiny")
+    app = build_app(engine, ServerSettings(**settings))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, lifespan="on")
+    server = DrainingServer(config, app.state.kvpilot)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    return LiveServer(f"http://127.0.0.1:{port}", app, server, thread)
+
+
+@pytest.fixture(scope="module")
+def live_server_factory(tiny_model_dir):
+    """Starts servers on the tiny model; all are stopped when the module's tests are done."""
+    started: list[LiveServer] = []
+
+    def start(**settings: Any) -> LiveServer:
+        live = start_server(tiny_model_dir, **settings)
+        started.append(live)
+        return live
+
+    yield start
+    for live in started:
+        live.stop()

@@ -1,0 +1,348 @@
+"""The OpenAI API through the official ``openai`` client against a real uvicorn serving a tiny model."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot import metric_names as names
+
+API_KEY = "test-key"
+ADMIN_TOKEN = "admin-token"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def live(live_server_factory):
+    return live_server_factory(api_key=API_KEY, admin_token=ADMIN_TOKEN, engine={"max_num_seqs": 8})
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def http(live):
+    with httpx.Client(base_url=live.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """Sample name (plus finish_reason label when present) -> value."""
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name
+            if names.FINISH_REASON_LABEL in sample.labels:
+                key += f"{{{sample.labels[names.FINISH_REASON_LABEL]}}}"
+            values[key] = sample.value
+    return values
+
+
+def test_models_lists_the_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_completion_usage_and_length(client, live):
+    result = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    choice = result.choices[0]
+    assert choice.finish_reason == "length"
+    assert result.usage.completion_tokens == 7
+    prompt_ids = live.engine.tokenizer.encode(PROMPT, add_special_tokens=True)
+    assert result.usage.prompt_tokens == len(prompt_ids)
+    assert result.usage.total_tokens == len(prompt_ids) + 7
+    assert result.usage.prompt_tokens_details.cached_tokens >= 0
+    assert choice.text == live.engine.tokenizer.decode(
+        live.engine.tokenizer.encode(choice.text, add_special_tokens=False)
+    )
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    long_prompt = "one two three four five six seven eight nine ten " * 6
+    first = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 32
+    # Full blocks of the prompt come from the prefix cache the second time.
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_streamed_text_equals_full_text(client):
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=24, temperature=1.0, seed=7)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_stream_equals_chat_full(client):
+    kwargs = dict(
+        model="tiny", messages=[{"role": "user", "content": "Say hello"}], max_tokens=16, temperature=0.8, seed=3
+    )
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_chat_prompt_uses_the_template(client, live):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    result = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
+    rendered = live.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = live.engine.tokenizer.encode(rendered, add_special_tokens=False)
+    assert result.usage.prompt_tokens == len(expected)
+    assert result.choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_choices_and_usage(client):
+    result = client.completions.create(
+        model="tiny", prompt=PROMPT, n=3, max_tokens=5, temperature=1.0, seed=11, extra_body={"ignore_eos": True}
+    )
+    assert sorted(c.index for c in result.choices) == [0, 1, 2]
+    assert result.usage.completion_tokens == 15
+    streamed = list(
+        client.completions.create(
+            model="tiny", prompt=PROMPT, n=3, max_tokens=5, temperature=1.0, seed=11, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    for choice in result.choices:
+        text = "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == choice.index)
+        assert text == choice.text
+
+
+def test_stop_string_cuts_the_text(client):
+    base = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0].text
+    # A stop string that first occurs in the middle of the greedy text.
+    start = next(i for i in range(3, len(base) - 3) if base.find(base[i : i + 3]) == i and base[i : i + 3].strip())
+    stop = base[start : start + 3]
+    result = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    assert result.choices[0].text == base[:start]
+    assert result.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stop=stop, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == base[:start]
+
+
+def test_completion_logprobs(client):
+    result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    logprobs = result.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == result.usage.completion_tokens
+    assert "".join(logprobs.tokens) == result.choices[0].text
+    for lp, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert lp <= 0.0 and len(top) >= 2
+        assert max(top.values()) == pytest.approx(lp)  # greedy picks the most likely token
+
+
+def test_chat_logprobs(client):
+    result = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    content = result.choices[0].logprobs.content
+    assert len(content) == result.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+
+
+def test_max_completion_tokens_wins(client):
+    result = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=9, max_completion_tokens=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert result.usage.completion_tokens == 2
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-9", prompt=PROMPT, max_tokens=2)
+    assert info.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"presence_penalty": 5}, "presence_penalty"),
+        ({"stop_token_ids": ["x"]}, "stop_token_ids[0]"),
+        ({"prompt": []}, "prompt"),
+    ],
+)
+def test_invalid_parameters_are_400_naming_the_field(http, extra, param):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, **extra}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert param.split("[")[0] in error["message"]
+
+
+def test_sampling_params_errors_name_the_field(http):
+    # top_k < -1 passes the wire model and is refused by SamplingParams.
+    response = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "top_k": -5})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "top_k"
+
+
+def test_missing_required_field_and_bad_json(http):
+    response = http.post("/v1/chat/completions", json={"model": "tiny"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+def test_prompt_too_long_says_the_limits(client, live):
+    limit = live.engine.max_model_len
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[5] * (limit - 10), max_tokens=20)
+    assert str(limit) in info.value.message and "20" in info.value.message
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[5] * (limit + 1), max_tokens=1)
+    assert info.value.body["param"] == "prompt" and str(limit) in info.value.message
+
+
+def test_token_outside_vocab_is_400(client, live):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[live.engine.arch.vocab_size + 5], max_tokens=1)
+    assert info.value.body["param"] == "prompt"
+
+
+def test_api_key_required(live):
+    no_key = openai.OpenAI(base_url=f"{live.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        no_key.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    response = httpx.get(f"{live.url}/v1/models")
+    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{live.url}/health").status_code == 200  # probes need no key
+
+
+def test_metrics_follow_the_traffic(client, live, http):
+    live.wait_idle()
+    before = metric_values(http.get("/metrics").text)
+    usages = []
+    for max_tokens in (3, 5):
+        result = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+        )
+        usages.append(result.usage)
+    streamed = list(
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    usages.append(streamed[-1].usage)
+    live.wait_idle()
+    after = metric_values(http.get("/metrics").text)
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert delta(names.PROMPT_TOKENS) == sum(u.prompt_tokens for u in usages)
+    assert delta(names.GENERATION_TOKENS) == sum(u.completion_tokens for u in usages)
+    assert delta(f"{names.REQUEST_SUCCESS}{{length}}") == 3
+    assert delta(f"{names.TIME_TO_FIRST_TOKEN}_count") == 3
+    assert delta(f"{names.E2E_REQUEST_LATENCY}_count") == 3
+    assert delta(f"{names.REQUEST_QUEUE_TIME}_count") == 3
+    # Every token after a request's first is one inter-token latency sample.
+    assert delta(f"{names.INTER_TOKEN_LATENCY}_count") == sum(u.completion_tokens - 1 for u in usages)
+    assert after[names.KV_CACHE_BLOCKS] == live.engine.num_kv_blocks
+    assert after[names.KV_CACHE_USAGE] == 0.0 and after[names.REQUESTS_RUNNING] == 0
+    assert after[names.MAX_NUM_SEQS] == 8
+    assert after[names.MODEL_INFO] == 1
+    assert delta(names.ENGINE_STEPS) >= max(u.completion_tokens for u in usages)
+
+
+def test_health_and_metrics_content_type(http):
+    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/metrics").headers["content-type"].startswith("text/plain")
+
+
+def test_stream_disconnect_frees_blocks(live):
+    live.wait_idle()
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            received = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+            assert received
+            assert live.state.async_engine.stats().kv_cache_usage > 0
+    # Leaving the block closed the connection mid-generation.
+    stats = live.wait_idle(timeout=20)
+    assert stats.kv_cache_usage == 0.0
+    assert stats.generation_tokens_total < 1000  # did not run on to max_tokens
+
+
+def test_non_streaming_disconnect_aborts(live):
+    live.wait_idle()
+    before = live.state.async_engine.stats().generation_tokens_total
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}/v1/completions", json=body, timeout=0.5,
+                   headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    stats = live.wait_idle(timeout=20)
+    assert stats.kv_cache_usage == 0.0
+    assert stats.generation_tokens_total - before < 480
+
+
+def test_admin_changes_limits_live(live, http):
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    assert http.get("/admin/v1/scheduler", headers=admin).json() == {
+        "max_num_seqs": 8, "max_num_batched_tokens": live.engine.resolved.max_num_batched_tokens,
+    }  # fmt: skip
+    assert http.post("/admin/v1/scheduler", json={"max_num_seqs": 2}, headers={"Authorization": "Bearer no"}
+                     ).status_code == 401  # fmt: skip
+    assert http.post("/admin/v1/scheduler", json={"max_num_seqs": 2}).status_code == 401  # the API key is not it
+    response = http.post("/admin/v1/scheduler", json={"max_num_seqs": 0}, headers=admin)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_num_seqs"
+    try:
+        response = http.post("/admin/v1/scheduler", json={"max_num_seqs": 1}, headers=admin)
+        assert response.json()["max_num_seqs"] == 1
+        assert metric_values(http.get("/metrics").text)[names.MAX_NUM_SEQS] == 1
+        # The scheduler follows: three concurrent requests never run more than one at a time.
+        peak_running = peak_waiting = 0
+
+        def one(i: int) -> httpx.Response:
+            body = {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}
+            return httpx.post(f"{live.url}/v1/completions", json=body, headers=http.headers, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(one, i) for i in range(3)]
+            while not all(f.done() for f in futures):
+                stats = live.state.async_engine.stats()
+                peak_running = max(peak_running, stats.num_running)
+                peak_waiting = max(peak_waiting, stats.num_waiting)
+                time.sleep(0.002)
+            assert all(f.result().status_code == 200 for f in futures)
+        assert peak_running == 1 and peak_waiting >= 1
+    finally:
+        http.post("/admin/v1/scheduler", json={"max_num_seqs": 8}, headers=admin)
+    assert metric_values(http.get("/metrics").text)[names.MAX_NUM_SEQS] == 8

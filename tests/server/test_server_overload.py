@@ -1,0 +1,83 @@
+"""Overload (429), an engine loop that dies (503), and the admin API switched off (404)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def small(live_server_factory):
+    """One running sequence at a time, one waiting slot, no API key, no admin token."""
+    return live_server_factory(max_waiting_requests=1, engine={"max_num_seqs": 1})
+
+
+async def _wait_for(predicate, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)
+
+
+def test_full_waiting_queue_answers_429_then_recovers(small):
+    engine = small.state.async_engine
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=small.url, timeout=60) as client:
+            running = {"prompt": PROMPT, "max_tokens": 80, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=running) as first:
+                lines = first.aiter_lines()
+                while not (await anext(lines)).startswith("data:"):
+                    pass
+                waiting = asyncio.create_task(
+                    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+                )
+                await _wait_for(lambda: engine.num_waiting == 1)
+                rejected = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+                assert rejected.status_code == 429
+                assert int(rejected.headers["Retry-After"]) >= 1
+                assert rejected.json()["error"]["type"] == "rate_limit_error"
+                rest = [line async for line in lines if line.startswith("data:")]
+                assert rest[-1] == "data: [DONE]"
+            assert (await waiting).status_code == 200
+            later = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+            assert later.status_code == 200 and later.json()["usage"]["completion_tokens"] >= 1
+
+    asyncio.run(scenario())
+    assert httpx.get(f"{small.url}/health").status_code == 200
+    assert small.wait_idle().kv_cache_usage == 0.0
+
+
+def test_admin_api_off_without_token(small):
+    response = httpx.get(f"{small.url}/admin/v1/scheduler", headers={"Authorization": "Bearer anything"})
+    assert response.status_code == 404
+    assert "--admin-token" in response.json()["error"]["message"]
+
+
+def test_chat_without_template_is_a_clear_400(small, monkeypatch):
+    monkeypatch.setattr(small.engine.tokenizer, "chat_template", None)
+    response = httpx.post(f"{small.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert response.status_code == 400
+    assert "chat template" in response.json()["error"]["message"]
+
+
+def test_dead_engine_loop_turns_health_to_503(live_server_factory, monkeypatch):
+    doomed = live_server_factory()
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(doomed.engine, "step", broken_step)
+    response = httpx.post(f"{doomed.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=30)
+    assert response.status_code == 503 and "device lost" in response.json()["error"]["message"]
+    health = httpx.get(f"{doomed.url}/health")
+    assert health.status_code == 503 and health.json()["status"] == "engine_dead"
+    again = httpx.post(f"{doomed.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    assert again.status_code == 503
+    assert httpx.get(f"{doomed.url}/metrics").status_code == 200
