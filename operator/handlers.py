@@ -4,7 +4,8 @@
 - a timer every ``resync_seconds`` -> the same reconcile, which heals drift
   (a deleted child, a lost event) and keeps the status fresh;
 - any change of an engine pod or Deployment -> a status refresh of its
-  InferenceService, so Ready and Degraded follow the pods within a second.
+  InferenceService, so Ready and Degraded follow the pods within a second;
+- a daemon per service with tuning or autoscaling -> ``tuning.TuningLoop``.
 
 Handlers are registered on an explicit registry by ``register`` (no module
 globals), so the CLI and the tests build the operator the same way. More
@@ -20,7 +21,7 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import builders, reconcile, spec
+from kvpilot.operator import builders, reconcile, spec, tuning
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.settings import OperatorSettings
 
@@ -89,6 +90,13 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
         if owner is None or owner["metadata"].get("deletionTimestamp"):
             return
         post_outcome(owner, reconcile.refresh_status(context.kube, owner))
+
+    tuning_loop = tuning.TuningLoop(context.kube, context.settings)
+
+    @kopf.daemon(*resource, registry=registry, initial_delay=tuning.TICK_SECONDS, cancellation_timeout=30.0,
+                 when=lambda spec, **_: tuning.wants_loop(dict(spec)))
+    def tune_service(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
+        tuning_loop.run(lambda: _plain(body), stopped, tuning.post_events)
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

@@ -38,6 +38,8 @@ class OperatorSettings:
     log_level: str = "INFO"
     # Port of the /healthz endpoint (0 disables it).
     health_port: int = 8080
+    # Port of the operator's own Prometheus /metrics: tuning decisions, scrape errors (0 disables it).
+    metrics_port: int = 8081
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
@@ -55,6 +57,7 @@ class OperatorSettings:
             log_level=_choice(env, "KVPILOT_LOG_LEVEL", ("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)
             or defaults.log_level,
             health_port=_int(env, "KVPILOT_HEALTH_PORT", defaults.health_port, 0),
+            metrics_port=_int(env, "KVPILOT_METRICS_PORT", defaults.metrics_port, 0),
         )
 
     @property

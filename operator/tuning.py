@@ -1,6 +1,8 @@
 """One tuning interval of one InferenceService: scrape → tune → apply → autoscale → report.
 
-``TuningLoop.tick`` runs from a kopf timer. It reads the Ready engine pods'
+``TuningLoop.run`` is a kopf daemon per service (a daemon, not a timer, so
+the interval follows the spec and no "succeeded" Event is posted every
+tick); each interval's ``tick`` reads the Ready engine pods'
 /metrics, feeds the service's window to the tuner, and applies the decision:
 
 - ``max_num_seqs`` (and ``max_num_batched_tokens``) go live to every Ready pod
@@ -30,7 +32,8 @@ import math
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -44,11 +47,19 @@ from kvpilot.operator.tuning_state import TuningState
 
 log = logging.getLogger("kvpilot.operator.tuning")
 
-# The kopf timer fires this often; each service acts on its own interval.
+# The loop wakes this often; each service acts on its own interval.
 TICK_SECONDS = 5.0
 ADMIN_PATH = "/admin/v1/scheduler"
 HISTORY_IN_STATUS = 10
 HTTP_TIMEOUT_SECONDS = 5.0
+
+
+class Stopped(Protocol):
+    """kopf's DaemonStopped: true once the daemon should exit; ``wait`` sleeps until then."""
+
+    def __bool__(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
 
 
 @dataclass
@@ -74,7 +85,7 @@ class TickResult:
 
 
 def wants_loop(spec: dict[str, Any]) -> bool:
-    """Whether a service's spec asks for tuning or autoscaling (the timer's filter)."""
+    """Whether a service's spec asks for tuning or autoscaling (the daemon's filter)."""
     tuning = spec.get("tuning") or {}
     autoscaling = spec.get("autoscaling") or {}
     return bool(tuning and tuning.get("enabled", True)) or bool(autoscaling and autoscaling.get("enabled", True))
@@ -92,6 +103,23 @@ class TuningLoop:
         self.settings = settings
         self.config = config
         self.states: dict[tuple[str, str], ServiceLoopState] = {}
+
+    def run(self, current_body: Callable[[], dict[str, Any]], stopped: Stopped,
+            post: Callable[[dict[str, Any], TickResult], None]) -> None:
+        """One service's loop, for a kopf daemon: tick, report, sleep, until ``stopped``.
+
+        A failed interval (API server hiccup) is logged and the loop goes on.
+        """
+        while not stopped:
+            body = current_body()
+            try:
+                result = self.tick(body)
+                if result is not None:
+                    post(body, result)
+            except Exception:
+                log.exception("%s/%s: tuning interval failed", body["metadata"]["namespace"], body["metadata"]["name"])
+            stopped.wait(TICK_SECONDS)
+        self.states.pop((body["metadata"]["namespace"], body["metadata"]["name"]), None)
 
     def tick(self, body: dict[str, Any], now: float | None = None) -> TickResult | None:
         """Runs one interval for the service if it is due; None when not due or nothing to do."""
@@ -239,6 +267,14 @@ class TuningLoop:
             self.kube.scale_inference_service(namespace, name, decision.replicas)
             telemetry.SCALE_DECISIONS.labels(namespace, name, "up" if decision.replicas > decision.previous else "down").inc()
             result.events.append(("Normal", "Scaled", decision.reason))
+
+
+def post_events(body: dict[str, Any], result: TickResult) -> None:
+    """Turns an interval's events into Kubernetes Events on the InferenceService."""
+    import kopf
+
+    for kind, reason, message in result.events:
+        kopf.event(body, type=kind, reason=reason, message=message)
 
 
 def is_saturated(observation: Observation | None, max_num_seqs: int, ready: int, config: tuner.TunerConfig) -> bool:
