@@ -85,6 +85,7 @@ class TunerConfig:
     hysteresis: float = 0.05  # ignore upward moves smaller than this fraction of max_num_seqs
     cooldown_seconds: float = 0.0  # between max_num_seqs changes (windows restart anyway)
     saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
+    drain_slack: float = 1.1  # batch above this × max_num_seqs: still draining a decrease
     kv_headroom: float = 0.9  # use at most this share of the KV cache at observed lengths
     fit_window: int = 12  # windows used for the latency fit
     fit_max_ratio: float = 2.0  # windows with a P99 ITL beyond this × target stay out of the fit
@@ -284,9 +285,18 @@ def tune(
         violated=False,
         preempting=observation.preemptions_per_second > 0,
     )
+    if _draining(sample, config):
+        # Requests admitted under a larger setting finish at their own pace: the point is
+        # good for the latency fit, but says nothing yet about the new setting.
+        history = replace(history, samples=(history.samples + (sample,))[-config.history_length :])
+        return decide(
+            params,
+            f"draining after the decrease: batch {batch:.1f} is still above max_num_seqs {sample.max_num_seqs}: holding",
+        )
     # Evidence at the current setting: the latest windows since it was applied, averaged so
     # that one noisy P99 neither triggers a back-off nor brands the setting as violating.
-    current = _tail_at_setting(history.samples + (sample,), sample.max_num_seqs)[-3:]
+    at_setting = _tail_at_setting(history.samples + (sample,), sample.max_num_seqs)
+    current = [s for s in at_setting if not _draining(s, config)][-3:]
     itl_now = sum(s.itl_p99 for s in current) / len(current)
     batch_now = sum(s.batch for s in current) / len(current)
     sample = replace(sample, violated=itl_now > slo_itl)
@@ -382,7 +392,7 @@ def _bracket(samples: tuple[Sample, ...], config: TunerConfig) -> tuple[int | No
     """
     latest: dict[int, Sample] = {}
     for s in samples:
-        if s.violated and s.batch < config.saturation_fill * s.max_num_seqs:
+        if _draining(s, config) or (s.violated and s.batch < config.saturation_fill * s.max_num_seqs):
             continue
         latest[s.max_num_seqs] = s
     good = max((k for k, s in latest.items() if not s.violated), default=None)
@@ -398,6 +408,10 @@ def _bracket(samples: tuple[Sample, ...], config: TunerConfig) -> tuple[int | No
     if slower is not None and (violated is None or slower < violated):
         return good, slower, "gave less throughput than a smaller setting"
     return good, violated, "violated the SLO"
+
+
+def _draining(sample: Sample, config: TunerConfig) -> bool:
+    return sample.batch > sample.max_num_seqs * config.drain_slack
 
 
 def _kv_capacity(observation: Observation, batch: float, config: TunerConfig) -> float | None:

@@ -164,6 +164,14 @@ def test_violation_without_saturation_still_backs_off():
     assert engine.itl_p99(engine.batch(final.max_num_seqs)) <= SLO.itl_p99_seconds
 
 
+def test_a_window_still_draining_a_decrease_is_not_judged():
+    params = EngineParams(32, 0.9)
+    draining = observation(mean_running_per_pod=48.0, itl_p99=0.2, max_num_seqs=32)
+    decision = tune(draining, params, SLO, BOUNDS, TuningHistory(), now=0.0)
+    assert not decision.changed and "draining" in decision.reason
+    assert decision.history.samples[-1].batch == 48.0  # still a point for the latency fit
+
+
 def test_kv_cache_caps_growth():
     engine = SimulatedEngine(kv_seqs=20)  # the SLO alone would allow ~40
     _, final = run(engine, 4, intervals=10)
