@@ -64,12 +64,14 @@ class KubeApi:
     def merge_patch(self, path: str, body: dict[str, Any], **kwargs) -> dict[str, Any] | None:
         return self.request("PATCH", path, body, content_type="application/merge-patch+json", **kwargs)
 
-    def watch(self, path: str, resource_version: str, timeout_seconds: int = 60) -> Iterator[dict]:
+    def watch(self, path: str, resource_version: str, timeout_seconds: int = 60,
+              query: dict[str, str] | None = None) -> Iterator[dict]:  # fmt: skip
         """Yields watch events until the server closes the stream (after ``timeout_seconds``)."""
         response = self._pool.request(
             "GET",
             self.server + path,
             fields={
+                **(query or {}),
                 "watch": "1",
                 "resourceVersion": resource_version,
                 "timeoutSeconds": str(timeout_seconds),

@@ -131,7 +131,8 @@ class Kubelet:
         path = "/api/v1/pods"
         while not self.stopping.is_set():
             try:
-                listing = self.api.get(path, query={"fieldSelector": "spec.nodeName!="})
+                bound = {"fieldSelector": "spec.nodeName!="}
+                listing = self.api.get(path, query=bound)
                 alive = set()
                 for pod in listing["items"]:
                     if pod["spec"].get("nodeName") in NODE_NAMES:
@@ -142,7 +143,7 @@ class Kubelet:
                 for worker in vanished:
                     worker.gone()
                 version = listing["metadata"]["resourceVersion"]
-                for event in self.api.watch(path + "?fieldSelector=spec.nodeName%21%3D", version, WATCH_TIMEOUT_S):
+                for event in self.api.watch(path, version, WATCH_TIMEOUT_S, bound):
                     if self.stopping.is_set():
                         return
                     kind, pod = event["type"], event["object"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +111,21 @@ class ClusterHandle:
         started += [("pod process", pid, start) for pid, start in self.pod_pids()]
         self.cluster.down()
         return [f"{name} pid {pid}" for name, pid, start in started if processes.is_alive(pid, start)]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.2):
+    """Polls ``predicate`` until it returns something truthy; returns that, or fails naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # a transient API error counts as "not yet"
+            last_error = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
 
 
 _shared: ClusterHandle | None = None
