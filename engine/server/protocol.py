@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 MAX_LOGPROBS = 20
 
@@ -230,6 +230,10 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):  # OpenAI's deltas carry only what changed
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatStreamChoice(BaseModel):

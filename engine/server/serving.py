@@ -9,6 +9,7 @@ lines; it never raises for a client's mistake.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import math
@@ -139,7 +140,7 @@ class OpenAIServing:
                 for prompt in prompts
             ]
             request_id = f"cmpl-{uuid.uuid4().hex}"
-            streams = await self._add_all(request_id, prompts, params)
+            streams = await self._add_all(request_id, prompts, params, "prompt")
         except ServingError as exc:
             return exc.result
         builder = _CompletionBuilder(self, request, request_id, prompts)
@@ -164,7 +165,7 @@ class OpenAIServing:
             top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
             params = [self._sampling_params(request, prompt, request.output_token_limit(), top_logprobs, "messages")]
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            streams = await self._add_all(request_id, [prompt], params)
+            streams = await self._add_all(request_id, [prompt], params, "messages")
         except ServingError as exc:
             return exc.result
         builder = _ChatBuilder(self, request, request_id, [prompt])
@@ -254,7 +255,7 @@ class OpenAIServing:
             raise ServingError(error(400, str(exc), param=param_from_message(str(exc)))) from None
 
     async def _add_all(
-        self, request_id: str, prompts: list[_PromptInput], params: list[SamplingParams]
+        self, request_id: str, prompts: list[_PromptInput], params: list[SamplingParams], prompt_param: str
     ) -> list[RequestStream]:
         arrival = time.monotonic()
         streams: list[RequestStream] = []
@@ -276,7 +277,8 @@ class OpenAIServing:
             if isinstance(exc, EngineDeadError):
                 raise ServingError(error(503, str(exc), code="engine_dead", err_type="server_error")) from None
             if isinstance(exc, ValueError):
-                param = "prompt" if "token" in str(exc) or "prompt" in str(exc) else param_from_message(str(exc))
+                # The engine refuses prompts (empty, token id outside the vocabulary) and names them.
+                param = param_from_message(str(exc)) or prompt_param
                 raise ServingError(error(400, str(exc), param=param)) from None
             raise
         return streams
@@ -286,7 +288,7 @@ class OpenAIServing:
     ) -> Any:
         finals: list[Any] = [None] * len(streams)
         try:
-            async with _abort_on_disconnect(self.engine, streams, is_disconnected):
+            async with _AbortOnDisconnect(self.engine, streams, is_disconnected):
                 async for index, output in _merge(streams):
                     finals[index] = output
         except EngineDeadError as exc:
@@ -299,7 +301,7 @@ class OpenAIServing:
         self, streams: list[RequestStream], builder: _ResponseBuilder, is_disconnected: Callable[[], Any]
     ) -> AsyncIterator[str]:
         try:
-            async with _abort_on_disconnect(self.engine, streams, is_disconnected):
+            async with _AbortOnDisconnect(self.engine, streams, is_disconnected):
                 for chunk in builder.first_chunks():
                     yield _sse(chunk)
                 async for index, output in _merge(streams):
@@ -363,7 +365,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]
             task.cancel()
 
 
-class _abort_on_disconnect:
+class _AbortOnDisconnect:
     """Aborts the streams' engine requests when the client disconnects or the consumer stops early.
 
     ``is_disconnected`` is awaited in a side task; it returns once the client's
@@ -398,7 +400,7 @@ class _abort_on_disconnect:
         self._abort_unfinished()
 
 
-class _ResponseBuilder:
+class _ResponseBuilder(abc.ABC):
     """Turns cumulative engine outputs into one response or into stream chunks."""
 
     def __init__(self, serving: OpenAIServing, request: Any, request_id: str, prompts: list[_PromptInput]) -> None:
@@ -475,14 +477,17 @@ class _ResponseBuilder:
             return None
         return self.chunk_model(choices=[], usage=self.usage(list(self._last.values())))
 
+    @abc.abstractmethod
     def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any:
-        raise NotImplementedError
+        """The chunk carrying ``delta_text`` and the logprobs of tokens from ``sent_tokens`` on."""
 
+    @abc.abstractmethod
     def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> Any:
-        raise NotImplementedError
+        """A stream chunk of this endpoint's type."""
 
+    @abc.abstractmethod
     def full_response(self, finals: list[Any]) -> Any:
-        raise NotImplementedError
+        """The non-streamed response from each prompt's finished output."""
 
 
 class _CompletionBuilder(_ResponseBuilder):

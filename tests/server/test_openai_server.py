@@ -127,6 +127,27 @@ def test_n_choices_and_usage(client):
         assert text == choice.text
 
 
+def test_several_prompts_and_echo(client):
+    single = client.completions.create(model="tiny", prompt="Hello there", max_tokens=4, temperature=0)
+    batch = client.completions.create(model="tiny", prompt=["Hello there", PROMPT], max_tokens=4, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == single.choices[0].text
+    assert batch.usage.prompt_tokens > single.usage.prompt_tokens
+    echoed = client.completions.create(model="tiny", prompt="Hello there", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Hello there" + single.choices[0].text
+
+
+def test_chat_content_parts_equal_plain_content(client):
+    plain = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
+    parts = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], max_tokens=4,
+        temperature=0,
+    )  # fmt: skip
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_stop_string_cuts_the_text(client):
     base = client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
@@ -287,7 +308,7 @@ def test_health_and_metrics_content_type(http):
 
 
 def test_stream_disconnect_frees_blocks(live):
-    live.wait_idle()
+    before = live.wait_idle().generation_tokens_total
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as response:
@@ -298,7 +319,7 @@ def test_stream_disconnect_frees_blocks(live):
     # Leaving the block closed the connection mid-generation.
     stats = live.wait_idle(timeout=20)
     assert stats.kv_cache_usage == 0.0
-    assert stats.generation_tokens_total < 1000  # did not run on to max_tokens
+    assert stats.generation_tokens_total - before < 400  # did not run on to max_tokens
 
 
 def test_non_streaming_disconnect_aborts(live):
