@@ -301,7 +301,10 @@ def mount_map(container: dict, volume_dirs: dict[str, Path]) -> list[tuple[str, 
 
 def rewrite_paths(text: str, mounts: list[tuple[str, str]]) -> str:
     """Maps a mountPath at the start of ``text`` or after '=' onto its host folder."""
-    for mount_path, host in mounts:
-        pattern = re.compile(r"(^|=)" + re.escape(mount_path) + r"(?=/|$)")
-        text = pattern.sub(lambda m: m.group(1) + host, text)
-    return text
+    if not mounts:
+        return text
+    # One pass, longest mountPath first: a path already rewritten (e.g. a hostPath under /tmp)
+    # must not be rewritten again by a shorter mount (an emptyDir at /tmp).
+    hosts = dict(mounts)
+    pattern = re.compile(r"(^|=)(" + "|".join(re.escape(p) for p, _ in mounts) + r")(?=/|$)")
+    return pattern.sub(lambda m: m.group(1) + hosts[m.group(2)], text)
