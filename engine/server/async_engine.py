@@ -57,8 +57,9 @@ class RequestStream:
     queued output matters: ``__anext__`` skips straight to it.
     """
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, num_sequences: int = 1) -> None:
         self.request_id = request_id
+        self.num_sequences = num_sequences  # the request's n
         self.finished = False
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -199,7 +200,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         assert self._loop is not None, "start() the engine first"
         future = self._loop.create_future()
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, getattr(params, "n", 1))
         with self._wakeup:
             if (
                 self.max_waiting_requests is not None
@@ -221,18 +222,18 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             if isinstance(exc, asyncio.CancelledError):
                 # The engine may have taken it already: make sure it does not run on.
-                self._enqueue(_Abort([request_id], getattr(params, "n", 1)))
+                self._enqueue(_Abort([request_id], stream.num_sequences))
             raise
         return stream
 
-    def abort(self, request_id: str, num_sequences: int = 1) -> None:
+    def abort(self, request_id: str) -> None:
         """Abort a request now: its stream ends with RequestAbortedError, its KV blocks are freed."""
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
         if not stream.finished:
             stream.put(RequestAbortedError(f"request {request_id} was aborted"))
-        self._enqueue(_Abort([request_id], num_sequences))
+        self._enqueue(_Abort([request_id], stream.num_sequences))
 
     def abort_all(self) -> None:
         for request_id in list(self._streams):

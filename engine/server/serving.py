@@ -269,7 +269,7 @@ class OpenAIServing:
                 )
         except BaseException as exc:
             for stream in streams:
-                self.engine.abort(stream.request_id, num_sequences=params[0].n)
+                self.engine.abort(stream.request_id)
             if isinstance(exc, EngineOverloadedError):
                 raise ServingError(error(429, str(exc), code="queue_full")) from None
             if isinstance(exc, EngineDrainingError):

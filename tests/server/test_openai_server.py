@@ -307,8 +307,9 @@ def test_health_and_metrics_content_type(http):
     assert http.get("/metrics").headers["content-type"].startswith("text/plain")
 
 
-def test_stream_disconnect_frees_blocks(live):
+def test_stream_disconnect_frees_blocks(live, http):
     before = live.wait_idle().generation_tokens_total
+    aborted_before = metric_values(http.get("/metrics").text)[f"{names.REQUEST_SUCCESS}{{abort}}"]
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as response:
@@ -320,6 +321,8 @@ def test_stream_disconnect_frees_blocks(live):
     stats = live.wait_idle(timeout=20)
     assert stats.kv_cache_usage == 0.0
     assert stats.generation_tokens_total - before < 400  # did not run on to max_tokens
+    aborted_after = metric_values(http.get("/metrics").text)[f"{names.REQUEST_SUCCESS}{{abort}}"]
+    assert aborted_after == aborted_before + 1
 
 
 def test_non_streaming_disconnect_aborts(live):
