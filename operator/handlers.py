@@ -1,7 +1,7 @@
 """kopf handlers: decorators only, each delegating to ``reconcile``.
 
 - create / update / resume of an InferenceService -> one full, level-triggered reconcile;
-- a timer every ``resync_seconds`` -> the same reconcile, which heals drift
+- a daemon every ``resync_seconds`` -> the same reconcile, which heals drift
   (a deleted child, a lost event) and keeps the status fresh;
 - any change of an engine pod or Deployment -> a status refresh of its
   InferenceService, so Ready and Degraded follow the pods within a second;
@@ -75,10 +75,14 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
     def reconcile_service(body: kopf.Body, **_: Any) -> None:
         post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings))
 
-    @kopf.timer(*resource, registry=registry, interval=context.settings.resync_seconds,
-                initial_delay=context.settings.resync_seconds)
-    def resync_service(body: kopf.Body, **_: Any) -> None:
-        post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings))
+    # A daemon rather than a timer: kopf would post a "succeeded" Event for every timer run.
+    @kopf.daemon(*resource, registry=registry, cancellation_timeout=1.0)
+    def resync_service(body: kopf.Body, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
+        while not stopped.wait(context.settings.resync_seconds):
+            try:
+                post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings))
+            except Exception:  # the next resync retries; the daemon must outlive API hiccups
+                logger.exception("resync failed")
 
     @kopf.on.event("apps", "v1", "deployments", labels=child_labels, registry=registry)
     @kopf.on.event("", "v1", "pods", labels=child_labels, registry=registry)
