@@ -44,7 +44,9 @@ def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
         except yaml.YAMLError as exc:
             raise TuningFileError(f"tuning file {path}: not valid JSON/YAML: {exc}") from None
     if not isinstance(raw, dict):
-        raise TuningFileError(f"tuning file {path}: expected a mapping like {{maxNumSeqs: 32}}, got {type(raw).__name__}")
+        raise TuningFileError(
+            f"tuning file {path}: expected a mapping like {{maxNumSeqs: 32}}, got {type(raw).__name__}"
+        )
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in TUNING_KEYS:

@@ -129,7 +129,7 @@ class OpenAIServing:
     # ---- completions -------------------------------------------------------------
 
     async def create_completion(
-        self, request: p.CompletionRequest, is_disconnected: Callable[[], Any]
+        self, request: p.CompletionRequest, until_disconnected: Callable[[], Any]
     ) -> p.CompletionResponse | ErrorResult | AsyncIterator[str]:
         if (problem := self.check_model(request.model)) is not None:
             return problem
@@ -145,8 +145,8 @@ class OpenAIServing:
             return exc.result
         builder = _CompletionBuilder(self, request, request_id, prompts)
         if request.stream:
-            return self._stream(streams, builder, is_disconnected)
-        return await self._collect(streams, builder, is_disconnected)
+            return self._stream(streams, builder, until_disconnected)
+        return await self._collect(streams, builder, until_disconnected)
 
     def _completion_prompt(self, prompt: str | list[int]) -> _PromptInput:
         if isinstance(prompt, str):
@@ -156,7 +156,7 @@ class OpenAIServing:
     # ---- chat ----------------------------------------------------------------------
 
     async def create_chat_completion(
-        self, request: p.ChatCompletionRequest, is_disconnected: Callable[[], Any]
+        self, request: p.ChatCompletionRequest, until_disconnected: Callable[[], Any]
     ) -> p.ChatCompletionResponse | ErrorResult | AsyncIterator[str]:
         if (problem := self.check_model(request.model)) is not None:
             return problem
@@ -170,8 +170,8 @@ class OpenAIServing:
             return exc.result
         builder = _ChatBuilder(self, request, request_id, [prompt])
         if request.stream:
-            return self._stream(streams, builder, is_disconnected)
-        return await self._collect(streams, builder, is_disconnected)
+            return self._stream(streams, builder, until_disconnected)
+        return await self._collect(streams, builder, until_disconnected)
 
     def _chat_prompt(self, request: p.ChatCompletionRequest) -> _PromptInput:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -185,7 +185,9 @@ class OpenAIServing:
                     code="chat_template_missing",
                 )
             )
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in request.messages]
+        messages = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in request.messages
+        ]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -284,11 +286,11 @@ class OpenAIServing:
         return streams
 
     async def _collect(
-        self, streams: list[RequestStream], builder: _ResponseBuilder, is_disconnected: Callable[[], Any]
+        self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Any]
     ) -> Any:
         finals: list[Any] = [None] * len(streams)
         try:
-            async with _AbortOnDisconnect(self.engine, streams, is_disconnected):
+            async with _AbortOnDisconnect(self.engine, streams, until_disconnected):
                 async for index, output in _merge(streams):
                     finals[index] = output
         except EngineDeadError as exc:
@@ -298,10 +300,10 @@ class OpenAIServing:
         return builder.full_response(finals)
 
     async def _stream(
-        self, streams: list[RequestStream], builder: _ResponseBuilder, is_disconnected: Callable[[], Any]
+        self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Any]
     ) -> AsyncIterator[str]:
         try:
-            async with _AbortOnDisconnect(self.engine, streams, is_disconnected):
+            async with _AbortOnDisconnect(self.engine, streams, until_disconnected):
                 for chunk in builder.first_chunks():
                     yield _sse(chunk)
                 async for index, output in _merge(streams):
@@ -368,21 +370,21 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]
 class _AbortOnDisconnect:
     """Aborts the streams' engine requests when the client disconnects or the consumer stops early.
 
-    ``is_disconnected`` is awaited in a side task; it returns once the client's
+    ``until_disconnected`` is awaited in a side task; it returns once the client's
     connection is gone (api_server.py passes a listener on the ASGI receive channel).
     """
 
-    def __init__(self, engine: AsyncLLMEngine, streams: list[RequestStream], is_disconnected: Callable[[], Any]):
+    def __init__(self, engine: AsyncLLMEngine, streams: list[RequestStream], until_disconnected: Callable[[], Any]):
         self._engine = engine
         self._streams = streams
-        self._is_disconnected = is_disconnected
+        self._until_disconnected = until_disconnected
         self._watcher: asyncio.Task | None = None
 
     async def __aenter__(self) -> None:
         self._watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
-        await self._is_disconnected()
+        await self._until_disconnected()
         unfinished = [s for s in self._streams if not s.finished]
         if unfinished:
             logger.info("client disconnected; aborting %s", ", ".join(s.request_id for s in unfinished))
