@@ -69,7 +69,7 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             node = {**_structural(variants[0], defs), **node}
     if node.get("default", ...) is None:
         del node["default"]  # None means "unset": leave the field out rather than default it to null
-    if "exclusiveMinimum" in node:
+    if not isinstance(node.get("exclusiveMinimum", True), bool):  # JSON Schema's number -> OpenAPI's flag
         node["minimum"] = node.pop("exclusiveMinimum")
         node["exclusiveMinimum"] = True
     preserve = node.get("x-kubernetes-preserve-unknown-fields")

@@ -80,6 +80,12 @@ class StatusModel(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
 
 
+def _object_default(model: type[SpecModel]) -> dict[str, Any]:
+    """A nested object's CRD default, written out in full: the API server checks a default
+    against the object's CEL rules before the inner fields' defaults would fill it in."""
+    return {"default": model().model_dump(by_alias=True, exclude_none=True, mode="json")}
+
+
 def _preserve_unknown(description: str) -> dict[str, Any]:
     return {"description": description, "json_schema_extra": {"x-kubernetes-preserve-unknown-fields": True}}
 
@@ -283,14 +289,16 @@ class Tuning(SpecModel):
         default=None, ge=5, le=3600,
         description="Seconds between tuning decisions. Unset: the operator's default (KVPILOT_TUNING_INTERVAL_SECONDS).",
     )
-    slo: Slo = Field(default_factory=Slo, description="Latency targets to meet.", json_schema_extra={"default": {}})
+    slo: Slo = Field(default_factory=Slo, description="Latency targets to meet.",
+                     json_schema_extra=_object_default(Slo))
     max_num_seqs: MaxNumSeqsBounds = Field(
-        default_factory=MaxNumSeqsBounds, description="Bounds for engine.maxNumSeqs.", json_schema_extra={"default": {}}
+        default_factory=MaxNumSeqsBounds, description="Bounds for engine.maxNumSeqs.",
+        json_schema_extra=_object_default(MaxNumSeqsBounds),
     )
     gpu_memory_utilization: MemoryFractionBounds = Field(
         default_factory=MemoryFractionBounds,
         description="Bounds for engine.gpuMemoryUtilization (changing it restarts pods one at a time).",
-        json_schema_extra={"default": {}},
+        json_schema_extra=_object_default(MemoryFractionBounds),
     )
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -334,10 +342,10 @@ class InferenceServiceSpec(SpecModel):
     )
     replicas: int = Field(default=1, ge=0, le=1024, description="Engine pods. The scale subresource sets this field.")
     resources: Resources = Field(
-        default_factory=Resources, description="Compute per engine pod.", json_schema_extra={"default": {}}
+        default_factory=Resources, description="Compute per engine pod.", json_schema_extra=_object_default(Resources)
     )
     engine: EngineParams = Field(
-        default_factory=EngineParams, description="Engine parameters.", json_schema_extra={"default": {}}
+        default_factory=EngineParams, description="Engine parameters.", json_schema_extra=_object_default(EngineParams)
     )
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Node labels an engine pod's node must have (the pod's nodeSelector)."
