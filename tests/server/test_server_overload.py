@@ -81,3 +81,20 @@ def test_dead_engine_loop_turns_health_to_503(live_server_factory, monkeypatch):
     again = httpx.post(f"{doomed.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
     assert again.status_code == 503
     assert httpx.get(f"{doomed.url}/metrics").status_code == 200
+
+
+def test_drain_aborts_requests_that_outlive_the_grace_period(live_server_factory):
+    live = live_server_factory(shutdown_grace_period=0.3)
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        while not next(lines).startswith("data:"):
+            pass
+        drained = asyncio.run_coroutine_threadsafe(live.state.drain(), live.state.loop)
+        rest = [line for line in lines if line.startswith("data:")]
+    drained.result(timeout=10)
+    assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2]  # cut off, and told so
+    assert live.wait_idle().kv_cache_usage == 0.0
+    assert httpx.get(f"{live.url}/health").json() == {"status": "draining"}
+    refused = httpx.post(f"{live.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
