@@ -152,7 +152,9 @@ def resolve_serve_args(args: argparse.Namespace, environ: Mapping[str, str] = os
         if values.get(flag.dest) is not None:
             continue
         raw = environ.get(flag.env)
-        if raw is None or raw == "":
+        # Kubernetes injects KVPILOT_PORT=tcp://IP:PORT into pods when a Service is named
+        # "kvpilot" (service links): that is an address, not our --port.
+        if raw is None or raw == "" or (flag.dest == "port" and raw.startswith(("tcp://", "udp://"))):
             values[flag.dest] = flag.default
             continue
         values[flag.dest] = _convert_env(flag, raw)

@@ -67,6 +67,10 @@ def test_bad_environment_values_name_the_variable(env, fragment):
     assert fragment in str(info.value)
 
 
+def test_kubernetes_service_link_is_not_a_port():
+    assert parse(["/m"], {"KVPILOT_PORT": "tcp://10.96.0.7:8000"}).port == 8000
+
+
 def test_missing_model_says_how_to_give_it():
     with pytest.raises(ArgsError, match="KVPILOT_MODEL"):
         parse([], {})
