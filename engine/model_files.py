@@ -121,6 +121,8 @@ def _hf_config(spec: Preset, arch: str, bos_id: int, eos_id: int, pad_id: int) -
 def _random_weights(spec: Preset, arch: str, tied: bool, gen) -> dict[str, Any]:
     import torch
 
+    from kvpilot.engine.tokenizer_files import SPECIAL_TOKENS
+
     hidden, head_dim = spec.hidden_size, spec.hidden_size // spec.num_heads
     q_size, kv_size, inter = spec.num_heads * head_dim, spec.num_kv_heads * head_dim, spec.intermediate_size
 
@@ -155,6 +157,10 @@ def _random_weights(spec: Preset, arch: str, tied: bool, gen) -> dict[str, Any]:
     weights["model.norm.weight"] = near_one(hidden) / (embed_std * hidden**0.5) if tied else near_one(hidden)
     if not tied:
         weights["lm_head.weight"] = normal(spec.vocab_size, hidden, std=hidden**-0.5)
+    # Special tokens (ids 0..len(SPECIAL_TOKENS)-1) get damped output rows: a random model should
+    # rarely end a greedy continuation with EOS or emit role markers, yet sampling can still reach them.
+    head = weights["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    head[: len(SPECIAL_TOKENS)] *= 0.25
     return weights
 
 

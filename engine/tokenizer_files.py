@@ -9,6 +9,7 @@ stay split across byte tokens, which is exactly what incremental detokenization 
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from pathlib import Path
 
@@ -16,8 +17,16 @@ PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+# transformers 5 loads qwen2 folders with its Qwen2Tokenizer whatever tokenizer_config.json says; that
+# class registers this token, so it must already be in the vocabulary (else len(tokenizer) > vocab).
+QWEN2_UNK_TOKEN = "<|endoftext|>"
 # Order fixes the ids: pad 0, bos 1, eos 2, then the chat role markers.
-SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS)
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS, QWEN2_UNK_TOKEN)
+# GPT-4/Qwen2-style pre-tokenization (letters, single digits, punctuation runs, whitespace). It is
+# also exactly what Qwen2Tokenizer rebuilds, so every architecture tokenizes the same way.
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # transformers renders this with jinja2; the assistant turn ends with EOS, so generation stops there.
 CHAT_TEMPLATE = (
@@ -86,10 +95,14 @@ def training_corpus(num_words: int, seed: int = 0) -> list[str]:
 
 def train_tokenizer(vocab_size: int, num_words: int, seed: int = 0):
     """A byte-level BPE ``tokenizers.Tokenizer`` that prepends BOS when encoding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -121,6 +134,15 @@ def save_tokenizer(tokenizer, out_dir: Path, model_max_length: int) -> None:
         clean_up_tokenization_spaces=False,
     )
     wrapped.save_pretrained(str(out_dir))
+    # Keep the folder readable by transformers 4.x too: a class name both major versions know, the
+    # chat template inline, and the 4.x key for extra special tokens.
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = CHAT_TEMPLATE
+    config.pop("extra_special_tokens", None)
+    config["additional_special_tokens"] = list(ROLE_TOKENS)
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _pseudo_word(rng: random.Random) -> str:
