@@ -69,14 +69,14 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_kopf(settings, context.settings.log_level)
 
-    @kopf.on.resume(*resource, registry=registry, backoff=RETRY_BACKOFF_SECONDS)
-    @kopf.on.create(*resource, registry=registry, backoff=RETRY_BACKOFF_SECONDS)
-    @kopf.on.update(*resource, registry=registry, backoff=RETRY_BACKOFF_SECONDS)
+    @kopf.on.resume(*resource, registry=registry, id="reconcile", backoff=RETRY_BACKOFF_SECONDS)
+    @kopf.on.create(*resource, registry=registry, id="reconcile", backoff=RETRY_BACKOFF_SECONDS)
+    @kopf.on.update(*resource, registry=registry, id="reconcile", backoff=RETRY_BACKOFF_SECONDS)
     def reconcile_service(body: kopf.Body, **_: Any) -> None:
         post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings))
 
     # A daemon rather than a timer: kopf would post a "succeeded" Event for every timer run.
-    @kopf.daemon(*resource, registry=registry, cancellation_timeout=1.0)
+    @kopf.daemon(*resource, registry=registry, id="resync", cancellation_timeout=1.0)
     def resync_service(body: kopf.Body, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
         while not stopped.wait(context.settings.resync_seconds):
             try:
@@ -84,8 +84,8 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
             except Exception:  # the next resync retries; the daemon must outlive API hiccups
                 logger.exception("resync failed")
 
-    @kopf.on.event("apps", "v1", "deployments", labels=child_labels, registry=registry)
-    @kopf.on.event("", "v1", "pods", labels=child_labels, registry=registry)
+    @kopf.on.event("apps", "v1", "deployments", labels=child_labels, registry=registry, id="deployment-changed")
+    @kopf.on.event("v1", "pods", labels=child_labels, registry=registry, id="pod-changed")
     def child_changed(body: kopf.Body, namespace: str, **_: Any) -> None:
         owner_name = (body.get("metadata", {}).get("labels") or {}).get(builders.INSTANCE_LABEL)
         if not owner_name:

@@ -185,7 +185,10 @@ def compute_status(
 
     if deployment is None:
         progressing, progress_reason, progress_message = True, "Creating", "creating the engine Deployment"
-    elif not dep_current or updated < desired or replicas > updated:
+    elif not dep_current:
+        progressing, progress_reason = True, "RollingOut"
+        progress_message = "the Deployment controller has not acted on the new spec yet"
+    elif replicas > updated:
         progressing, progress_reason = True, "RollingOut"
         progress_message = f"{updated}/{desired} pods run the current spec; {replicas - updated} old pods remain"
     elif ready < desired:
