@@ -32,6 +32,7 @@ class _StepPlan:
     # (seq index, first row, q_len, seq_len) of every sequence with q_len > 1
     multi_token_seqs: tuple[tuple[int, int, int, int], ...]
     store_all_rows: bool  # no padding rows: slot_mapping can be used as is
+    decode_only: bool  # every row is one sequence's single new token, in order (a pure decode step)
 
 
 class TorchAttentionBackend:
@@ -58,6 +59,8 @@ class TorchAttentionBackend:
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         group = num_heads // num_kv_heads
+        if plan.decode_only:
+            return _attend_decode(query, kv_cache, plan, group, scale)
         out = query.new_zeros(num_tokens, num_heads, head_dim)
 
         if plan.decode_seqs is not None:
@@ -129,13 +132,15 @@ def _build_plan(metadata: AttentionMetadata, block_size: int) -> _StepPlan:
         decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
 
     num_tokens = metadata.slot_mapping.shape[0]
+    no_padding = num_tokens == starts[-1]
     return _StepPlan(
         decode_seqs=decode_seqs,
         decode_rows=decode_rows,
         decode_blocks=decode_blocks,
         decode_mask=decode_mask,
         multi_token_seqs=tuple(multi),
-        store_all_rows=num_tokens == starts[-1] and bool((metadata.slot_mapping >= 0).all()),
+        store_all_rows=no_padding and bool((metadata.slot_mapping >= 0).all()),
+        decode_only=no_padding and len(decode) == len(seq_lens) > 0,
     )
 
 
@@ -150,7 +155,8 @@ def _attend_decode(
     num_decode = plan.decode_rows.shape[0]
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     # q: [num_decode, num_kv_heads, group, head_dim]: the group's heads act as query rows
-    q = query[plan.decode_rows].view(num_decode, num_kv_heads, group, head_dim)
+    rows = query if plan.decode_only else query[plan.decode_rows]
+    q = rows.reshape(num_decode, num_kv_heads, group, head_dim)
     # k, v: [num_decode, num_kv_heads, padded_len, head_dim]
     k = kv_cache[0][plan.decode_blocks].flatten(1, 2).transpose(1, 2)
     v = kv_cache[1][plan.decode_blocks].flatten(1, 2).transpose(1, 2)

@@ -89,9 +89,10 @@ class DecoderLayer(nn.Module):
         residual = hidden
         x = rms_norm(hidden, self.input_layernorm, arch.rms_norm_eps)
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, arch.num_heads, arch.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads are adjacent in qkv, so one rotation covers both.
+        qk = apply_rope(qk.view(num_tokens, arch.num_heads + arch.num_kv_heads, arch.head_dim), cos, sin)
+        q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
         v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
         attn = backend.forward(q, k, v, kv_cache, metadata, arch.attention_scale)  # [num_tokens, heads, head_dim]
         hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
