@@ -24,8 +24,9 @@ import triton.language as tl
 MAX_SPLITS = 32
 # Below this many keys per split the merge costs more than the parallelism gains.
 MIN_KEYS_PER_SPLIT = 256
-# Waves of programs per SM that keep the memory system busy without splitting.
-_TARGET_PROGRAMS_PER_SM = 2
+# Resident programs per SM that keep enough K/V loads in flight to saturate HBM (each program
+# prefetches one tile ahead; shared memory and registers allow about four per SM on Hopper).
+_TARGET_PROGRAMS_PER_SM = 4
 
 
 @functools.lru_cache(maxsize=8)

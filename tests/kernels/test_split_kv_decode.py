@@ -70,7 +70,7 @@ def test_split_choice_by_shape(monkeypatch):
     assert choose_num_splits(1, 8, 1, 32768, cuda) == MAX_SPLITS
     # Splits shrink as the batch fills the GPU, and vanish once it is full.
     assert 1 < choose_num_splits(8, 8, 1, 32768, cuda) < MAX_SPLITS
-    assert choose_num_splits(64, 8, 1, 32768, cuda) == 1
+    assert choose_num_splits(128, 8, 1, 32768, cuda) == 1
     # Short contexts are not worth a merge; prefill batches and the CPU never split.
     assert choose_num_splits(1, 8, 1, 300, cuda) == 1
     assert choose_num_splits(1, 8, 5, 32768, cuda) == 1
