@@ -101,6 +101,32 @@ def test_logits_match_transformers_through_paged_cache(arch, tiny_model_dirs, hf
         start += len(new)
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default"},
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+         "original_max_position_embeddings": 64},
+    ],
+    ids=lambda rope: rope["rope_type"],
+)
+def test_rope_variants_match_transformers(rope, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _copy(tiny_model_dir, tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = rope
+    config["rope_theta"] = 10000.0
+    (model_dir / "config.json").write_text(json.dumps(config))
+    model = load_model(model_dir, torch.float32, "cpu")
+    assert model.arch.rope_scaling.rope_type == rope["rope_type"]
+    hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    prompt = torch.randint(3, model.arch.vocab_size, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    logits = PagedBatch(model, 1).step(model, [prompt])
+    torch.testing.assert_close(logits, hf_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+
+
 def test_bfloat16_model_tracks_float32(tiny_model_dir):
     prompt = list(range(5, 25))
     model32 = load_model(tiny_model_dir, torch.float32, "cpu")
