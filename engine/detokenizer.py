@@ -6,7 +6,8 @@ Text is committed only when the window's decoding does not end in U+FFFD, i.e. o
 character split across byte tokens is complete. Two short decodes per token keep the cost flat
 however long the output grows.
 
-Stop strings are searched for in the committed text as it grows; ``pop_delta`` holds back a
+Stop strings are searched for in the committed text as it grows (once ``min_tokens`` tokens are
+out, as in vLLM); ``pop_delta`` holds back a
 tail that could still turn into a stop string, so a stream never shows text that a stop later
 removes.
 """
@@ -31,6 +32,8 @@ class IncrementalDetokenizer:
         self._stops = tuple(params.stop)
         self._longest_stop = max((len(s) for s in self._stops), default=0)
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        self._num_output_tokens = 0
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # window start: already-committed context
         self._read_offset = len(self._ids)  # tokens before this are committed text
@@ -56,6 +59,7 @@ class IncrementalDetokenizer:
         if self._stop_string is not None:
             raise RuntimeError("output already ended at a stop string; no more tokens can be appended")
         self._ids.append(token_id)
+        self._num_output_tokens += 1
         return self._decode_window(flush=False)
 
     def pop_delta(self, finished: bool) -> str:
@@ -94,6 +98,8 @@ class IncrementalDetokenizer:
         # A stop string may straddle the old text and the delta.
         search_from = max(0, len(self._text) - self._longest_stop + 1)
         self._text += delta
+        if self._num_output_tokens < self._min_tokens:
+            return None  # as in vLLM, stop strings count only once min_tokens are out
         match_at, matched = -1, None
         for stop in self._stops:
             at = self._text.find(stop, search_from)

@@ -114,6 +114,12 @@ def test_special_tokens(tokenizer, skip):
     assert detok.text == ("hello more" if skip else "hello</s> more")
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    ids = encode(tokenizer, "a STOP b STOP c")
+    _, stop, detok = stream(tokenizer, ids, stop=["STOP"], min_tokens=len(encode(tokenizer, "a STOP b")))
+    assert stop == "STOP" and detok.text == "a STOP b "
+
+
 def test_no_append_after_stop(tokenizer):
     _, stop, detok = stream(tokenizer, encode(tokenizer, "a STOP b"), stop=["STOP"])
     assert stop == "STOP"
