@@ -12,6 +12,15 @@ from kvpilot.engine import LLM, SamplingParams
 NEW_TOKENS = 32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models are all small ops; one thread avoids OpenMP barrier stalls when cores are shared."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_greedy_tokens_match_transformers_generate(tiny_model_dirs, arch):
     from transformers import AutoModelForCausalLM
