@@ -14,7 +14,7 @@ def register(subparsers) -> None:
         description=(
             "etcd, kube-apiserver, kube-controller-manager and kube-scheduler built from the "
             "Go module proxy, two fake GPU nodes (nvidia.com/gpu: 4 each) and a local kubelet "
-            "that runs pods as processes on 127.0.1.N. "
+            "that runs pods as processes on their own 127.0.B.N. "
             "Start with: kvpilot local-cluster up && export KUBECONFIG=$(kvpilot local-cluster kubeconfig)"
         ),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import ssl
 import sys
@@ -145,7 +146,7 @@ class LocalCluster:
             shutil.rmtree(ephemeral, ignore_errors=True)
         self.state.pod_pids.unlink(missing_ok=True)
 
-        record = ClusterRecord(bin_dir=str(bin_dir), ports={})
+        record = ClusterRecord(bin_dir=str(bin_dir), ports={}, pod_ip_block=random.randint(1, 200))
         try:
             for name in components.ORDER:
                 self._start(name, record, bin_dir)

@@ -3,7 +3,7 @@
 Started by `kvpilot local-cluster up` as ``python -m kvpilot.localcluster.kubelet``.
 It registers the nodes and keeps them Ready (Leases + status heartbeats),
 watches pods bound to them, runs one PodWorker thread per pod (see
-podworker.py), gives each pod its own loopback address 127.0.1.N as pod IP,
+podworker.py), gives each pod its own loopback address 127.0.B.N as pod IP (B: the cluster's block),
 and serves container logs to the API server so `kubectl logs` works. On
 SIGTERM it stops every pod's processes before it exits.
 """
@@ -31,9 +31,10 @@ TERMINAL_PHASES = ("Succeeded", "Failed")
 
 
 class PodIPs:
-    """Hands out 127.0.1.1, 127.0.1.2, … round-robin, never one in use."""
+    """Hands out 127.0.B.1, 127.0.B.2, … (B: the cluster's block) round-robin, never one in use."""
 
-    def __init__(self) -> None:
+    def __init__(self, block: int) -> None:
+        self._block = block
         self._in_use: set[str] = set()
         self._next = 0
         self._lock = threading.Lock()
@@ -43,7 +44,7 @@ class PodIPs:
             for _ in range(254 * 254):
                 index = self._next
                 self._next = (self._next + 1) % (254 * 254)
-                ip = f"127.0.{1 + index // 254}.{1 + index % 254}"
+                ip = f"127.0.{(self._block - 1 + index // 254) % 254 + 1}.{1 + index % 254}"
                 if ip not in self._in_use:
                     self._in_use.add(ip)
                     return ip
@@ -63,7 +64,7 @@ class Kubelet:
             raise SystemExit(f"no cluster record in {state.root}: the kubelet is started by `up`")
         self.apiserver_port = record.ports["apiserver"]
         self.api = KubeApi(record.apiserver_url, state.pki)
-        self.ips = PodIPs()
+        self.ips = PodIPs(record.pod_ip_block)
         self.workers: dict[str, PodWorker] = {}
         self.finished: set[str] = set()  # uids run to completion here: never start them again
         self._lock = threading.Lock()

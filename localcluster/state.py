@@ -41,6 +41,9 @@ class ClusterRecord:
     bin_dir: str
     ports: dict[str, int]
     processes: list[ProcessRecord] = field(default_factory=list)
+    # Pod IPs are 127.0.<pod_ip_block>.N: a block per cluster, chosen at random by `up`,
+    # so that clusters started side by side (several test sessions) rarely share addresses.
+    pod_ip_block: int = 1
 
     @property
     def apiserver_url(self) -> str:
