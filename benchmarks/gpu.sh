@@ -76,14 +76,14 @@ fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   export TEST_LOG=${OUT_DIR:+$OUT_DIR/tests.log}
-  run_stage "kernel tests" 210 bash -c '"$@" 2>&1 | tee "${TEST_LOG:-/dev/null}"; exit "${PIPESTATUS[0]}"' _ \
+  run_stage "kernel tests" 180 bash -c '"$@" 2>&1 | tee "${TEST_LOG:-/dev/null}"; exit "${PIPESTATUS[0]}"' _ \
     "${TEST_ENV[@]}" "$PY" -m pytest tests/kernels -q -p no:cacheprovider -rs
 else
   echo "=== kernel tests: NOT RUN: pytest is not installed for $PY (the benchmarks still check every shape) ==="
   FAILED+=("kernel tests (pytest missing)")
 fi
-run_stage "decode attention benchmark" 180 "$PY" benchmarks/gpu_attention.py "${MODE[@]}" --sweep-budget-s 60 --out "$OUT_DIR"
-run_stage "decode throughput benchmark" 120 "$PY" benchmarks/gpu_decode.py "${MODE[@]}" --out "$OUT_DIR"
+run_stage "decode attention benchmark" 150 "$PY" benchmarks/gpu_attention.py "${MODE[@]}" --sweep-budget-s 45 --out "$OUT_DIR"
+run_stage "decode throughput benchmark" 100 "$PY" benchmarks/gpu_decode.py "${MODE[@]}" --out "$OUT_DIR"
 
 echo
 if [ "${#FAILED[@]}" -gt 0 ]; then
