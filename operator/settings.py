@@ -40,6 +40,8 @@ class OperatorSettings:
     health_port: int = 8080
     # Port of the operator's own Prometheus /metrics: tuning decisions, scrape errors (0 disables it).
     metrics_port: int = 8081
+    # Seconds of lower demand the autoscaler waits out before removing a replica.
+    scale_down_stabilization_seconds: float = 300.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
@@ -58,6 +60,8 @@ class OperatorSettings:
             or defaults.log_level,
             health_port=_int(env, "KVPILOT_HEALTH_PORT", defaults.health_port, 0),
             metrics_port=_int(env, "KVPILOT_METRICS_PORT", defaults.metrics_port, 0),
+            scale_down_stabilization_seconds=_float(env, "KVPILOT_SCALE_DOWN_STABILIZATION_SECONDS",
+                                                    defaults.scale_down_stabilization_seconds, 0.0),
         )
 
     @property

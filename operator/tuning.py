@@ -256,7 +256,8 @@ class TuningLoop:
         assert spec.autoscaling is not None
         pending_no_gpu = sum(1 for p in status.diagnose_pods(spec, live, []) if p.reason == status.INSUFFICIENT_GPU)
         replicas = ReplicaState(desired=spec.replicas, ready=len(ready), pending_no_gpu=pending_no_gpu)
-        policy = ScalingPolicy(spec.autoscaling.min_replicas, spec.autoscaling.max_replicas)
+        policy = ScalingPolicy(spec.autoscaling.min_replicas, spec.autoscaling.max_replicas,
+                               scale_down_stabilization_seconds=self.settings.scale_down_stabilization_seconds)
         saturated = is_saturated(observation, params.max_num_seqs, len(ready), self.config)
         decision = autoscale(observation, replicas, policy, state.scaling, now, saturated)
         state.scaling = decision.history

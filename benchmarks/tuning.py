@@ -1,0 +1,561 @@
+"""Live tuning: the operator's tuner against a real `kvpilot serve` on the CPU, vs a static oracle.
+
+One engine process serves the generated ``small`` preset model (CPU). A load thread sends
+Poisson arrivals of completions with mixed prompt (≈24-400 tokens) and output (16-192
+tokens, EOS ignored) lengths at a rate above what any setting can serve, so the engine is
+always saturated (at most ``--max-in-flight`` requests are outstanding; arrivals beyond
+that are shed at the client and counted).
+
+1. Oracle: ``max_num_seqs`` swept statically through the admin endpoint; each setting is
+   measured from the server's /metrics over a window after a warm-up. The oracle is the
+   best output-token throughput whose ITL P99 meets the SLO. The SLO is ``--slo-ms``, or
+   100 ms when that puts the optimum strictly inside the grid, or else a value between
+   two middle settings' ITL P99.
+2. Closed loop: the tuner (kvpilot.operator.tuner) fed by the operator's metrics code
+   (kvpilot.operator.metrics), applying its decisions through the admin endpoint exactly
+   as the operator does, from the smallest and from the largest grid setting.
+3. Autoscaling, simulated: the autoscaler (kvpilot.operator.autoscaler) against a load
+   step up and down, with replicas whose capacity is the throughput measured at the
+   tuned setting (one 2-core machine cannot host several CPU engines side by side).
+
+    python benchmarks/tuning.py                 # ~12 minutes on 2 cores
+    python benchmarks/tuning.py --quick         # a smoke run, not a measurement
+
+Prints the sweep, the oracle, and per start: fraction of the oracle reached, intervals
+to get within 10% of it, seconds spent over the SLO, reversals after that; writes
+docs/tuning-*.png and a JSON of every interval (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from kvpilot.operator import tuner
+from kvpilot.operator.autoscaler import ReplicaState, ScalingHistory, ScalingPolicy, autoscale
+from kvpilot.operator.metrics import MetricsCollector, Observation
+
+MODEL_CACHE = Path.home() / ".cache" / "kvpilot" / "models"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+ADMIN_TOKEN = "benchmark-admin-token-0123456789abcdef"
+GRID = (2, 4, 8, 12, 16, 24, 32, 48, 64)
+WORDS = (
+    "the engine schedules every request each step so finished sequences leave the batch and waiting "
+    "ones join at once while paged attention keeps the cache in small blocks allocated as tokens "
+    "arrive operators tune batch size against latency targets measured from metrics"
+).split()
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: generated small preset)")
+    parser.add_argument("--grid", type=int, nargs="+", default=list(GRID), help="max_num_seqs settings to sweep")
+    parser.add_argument("--slo-ms", type=float, default=None, help="ITL P99 SLO (default: see above)")
+    parser.add_argument("--rate", type=float, default=12.0, help="Poisson arrivals per second")
+    parser.add_argument("--max-in-flight", type=int, default=160)
+    parser.add_argument("--warmup", type=float, default=8.0, help="seconds after a sweep change before measuring")
+    parser.add_argument("--measure", type=float, default=20.0, help="seconds measured per sweep setting")
+    parser.add_argument("--interval", type=float, default=10.0, help="tuning interval, seconds")
+    parser.add_argument("--intervals", type=int, default=14, help="tuning intervals per closed-loop run")
+    parser.add_argument("--dtype", default="float32", help="engine dtype (float32 is fastest on most CPUs)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--engine-threads", type=int, default=None, help="OMP_NUM_THREADS for the engine")
+    parser.add_argument("--prompt-words", type=int, nargs=2, default=[8, 96], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=[16, 160], metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    parser.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="short windows and a small grid: a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.grid, args.warmup, args.measure, args.interval, args.intervals = [2, 8, 32], 3.0, 6.0, 6.0, 4
+    if sorted(set(args.grid)) != args.grid or args.grid[0] < 1:
+        parser.error("--grid: give increasing positive max_num_seqs values")
+    return args
+
+
+def model_path(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return args.model
+    path = MODEL_CACHE / f"small-llama-seed{args.seed}"
+    if not (path / "config.json").exists():
+        from kvpilot.engine.model_files import make_model
+
+        tmp = path.with_name(path.name + ".tmp")
+        make_model(tmp, preset="small", arch="llama", seed=args.seed)
+        tmp.rename(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class EngineServer:
+    """A `kvpilot serve` subprocess on 127.0.0.1 with the admin API on."""
+
+    def __init__(self, model: Path, port: int, max_num_seqs: int, max_seqs_ever: int, dtype: str,
+                 max_num_batched_tokens: int, threads: int | None) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"kvpilot-tuning-bench-{port}.log", "w")
+        command = [
+            sys.executable, "-m", "kvpilot", "serve", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "small",
+            "--device", "cpu", "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024",
+            # A CPU prefill chunk of thousands of tokens stalls every decode in its step for
+            # seconds; a small step budget keeps ITL about the batch, as on a GPU.
+            "--max-num-batched-tokens", str(max(max_num_batched_tokens, max_seqs_ever)),
+            # Sized for the largest setting, so KV space never decides the sweep.
+            "--kv-cache-memory", f"{max(256, max_seqs_ever * 16)}MiB",
+            "--max-waiting-requests", "100000", "--admin-token", ADMIN_TOKEN, "--log-level", "warning",
+        ]
+        env = dict(os.environ)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)  # fewer threads than busy cores beat spinning barriers
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        import urllib.request
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"kvpilot serve exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"kvpilot serve not healthy after {timeout:.0f} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+async def set_max_num_seqs(session: aiohttp.ClientSession, url: str, value: int) -> None:
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with session.post(f"{url}/admin/v1/scheduler", json={"max_num_seqs": value}, headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"admin endpoint: HTTP {response.status}: {await response.text()}")
+
+
+@dataclass
+class LoadStats:
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    shed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class PoissonLoad:
+    """Open-loop Poisson arrivals of completions in a background thread with its own event loop."""
+
+    def __init__(self, url: str, rate: float, max_in_flight: int, seed: int, prompt_words: tuple[int, int],
+                 output_tokens: tuple[int, int]) -> None:
+        self.url, self.rate, self.max_in_flight = url, rate, max_in_flight
+        self.prompt_words, self.output_tokens = prompt_words, output_tokens
+        self.rng = random.Random(seed)
+        self.stats = LoadStats()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _request_body(self) -> dict:
+        words = self.rng.randint(*self.prompt_words)
+        return {
+            "model": "small",
+            "prompt": " ".join(self.rng.choice(WORDS) for _ in range(words)),
+            "max_tokens": self.rng.randint(*self.output_tokens),
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+
+    async def _run(self) -> None:
+        in_flight: set[asyncio.Task] = set()
+        timeout = aiohttp.ClientTimeout(total=3600)
+        connector = aiohttp.TCPConnector(limit=self.max_in_flight)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            while not self._stop.is_set():
+                await asyncio.sleep(self.rng.expovariate(self.rate))
+                if len(in_flight) >= self.max_in_flight:
+                    self.stats.shed += 1
+                    continue
+                task = asyncio.create_task(self._one(session, self._request_body()))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            for task in list(in_flight):
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _one(self, session: aiohttp.ClientSession, body: dict) -> None:
+        self.stats.sent += 1
+        try:
+            async with session.post(f"{self.url}/v1/completions", json=body) as response:
+                await response.read()
+                if response.status == 200:
+                    self.stats.ok += 1
+                    return
+                key = f"HTTP {response.status}"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any client failure counts as a failed request
+            key = type(exc).__name__
+        self.stats.failed += 1
+        self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
+
+
+@dataclass
+class Interval:
+    t: float
+    max_num_seqs: int
+    tokens_per_second: float
+    itl_p99: float | None
+    batch: float | None
+    reason: str = ""
+
+
+def summarize(obs: Observation | None, max_num_seqs: int, t: float, reason: str = "") -> Interval:
+    if obs is None:
+        return Interval(t, max_num_seqs, 0.0, None, None, reason)
+    return Interval(t, max_num_seqs, obs.output_tokens_per_second, obs.itl_p99, obs.mean_running_per_pod, reason)
+
+
+async def sweep(url: str, grid: list[int], warmup: float, measure: float) -> list[Interval]:
+    collector = MetricsCollector(window_seconds=10 * measure)
+    points = []
+    async with aiohttp.ClientSession() as session:
+        for m in grid:
+            await set_max_num_seqs(session, url, m)
+            await asyncio.sleep(warmup)
+            collector.windows.clear()
+            await collector.collect({"engine": f"{url}/metrics"})
+            await asyncio.sleep(measure)
+            obs = (await collector.collect({"engine": f"{url}/metrics"})).service
+            point = summarize(obs, m, time.time())
+            points.append(point)
+            print(f"  max_num_seqs {m:4d}: {point.tokens_per_second:7.1f} tok/s, ITL P99 "
+                  f"{_ms(point.itl_p99)}, mean batch {point.batch or 0:.1f}", flush=True)
+    return points
+
+
+def choose_slo(points: list[Interval], given_ms: float | None) -> float:
+    if given_ms is not None:
+        return given_ms / 1000
+    if _interior(points, 0.100):
+        return 0.100
+    itls = [p.itl_p99 for p in points if p.itl_p99 is not None]
+    middle = len(itls) // 2
+    return (itls[middle] + itls[middle + 1]) / 2 if middle + 1 < len(itls) else itls[-1]
+
+
+def _interior(points: list[Interval], slo: float) -> bool:
+    best = oracle_point(points, slo)
+    return best is not None and best.max_num_seqs not in (points[0].max_num_seqs, points[-1].max_num_seqs)
+
+
+def oracle_point(points: list[Interval], slo: float) -> Interval | None:
+    meeting = [p for p in points if p.itl_p99 is not None and p.itl_p99 <= slo]
+    return max(meeting, key=lambda p: p.tokens_per_second, default=None)
+
+
+async def closed_loop(url: str, start: int, slo: float, bounds: tuner.Bounds, interval: float,
+                      intervals: int) -> list[Interval]:
+    """The operator's loop for one pod: scrape → tune → apply through the admin endpoint."""
+    collector = MetricsCollector(window_seconds=2 * interval)
+    params = tuner.EngineParams(max_num_seqs=start, gpu_memory_utilization=0.9)
+    history = tuner.TuningHistory()
+    trace = []
+    began = time.time()
+    async with aiohttp.ClientSession() as session:
+        await set_max_num_seqs(session, url, start)
+        await settle(session, url, start)
+        began = time.time()
+        await collector.collect({"engine": f"{url}/metrics"})
+        for _ in range(intervals):
+            await asyncio.sleep(interval)
+            obs = (await collector.collect({"engine": f"{url}/metrics"})).service
+            now = time.time()
+            decision = tuner.tune(obs, params, tuner.Slo(itl_p99_seconds=slo), bounds, history, now)
+            trace.append(summarize(obs, params.max_num_seqs, now - began, decision.reason))
+            print(f"  t={now - began:5.0f}s max_num_seqs {params.max_num_seqs:3d}: "
+                  f"{trace[-1].tokens_per_second:6.1f} tok/s, ITL P99 {_ms(trace[-1].itl_p99)} | {decision.reason}",
+                  flush=True)
+            if decision.num_seqs_changed:
+                await set_max_num_seqs(session, url, decision.params.max_num_seqs)
+                collector.restart_windows(expect_max_num_seqs=decision.params.max_num_seqs)
+            params, history = decision.params, decision.history
+    return trace
+
+
+async def settle(session: aiohttp.ClientSession, url: str, max_num_seqs: int, timeout: float = 180.0) -> None:
+    """Waits until requests admitted under an earlier, larger setting have finished."""
+    from kvpilot import metric_names as names
+    from kvpilot.operator.metrics import parse_snapshot
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        async with session.get(f"{url}/metrics") as response:
+            snapshot = parse_snapshot(await response.text(), time.time())
+        if snapshot.gauges.get(names.REQUESTS_RUNNING, 0.0) <= max_num_seqs:
+            return
+        await asyncio.sleep(1.0)
+
+
+@dataclass
+class RunReport:
+    start: int
+    fraction_of_oracle: float
+    intervals_to_within_10pct: int | None
+    seconds_over_slo: float
+    reversals_after: int
+    final_max_num_seqs: int
+
+
+def report(trace: list[Interval], start: int, oracle: Interval, slo: float, interval: float) -> RunReport:
+    within = next((i + 1 for i, p in enumerate(trace)
+                   if p.tokens_per_second >= 0.9 * oracle.tokens_per_second
+                   and p.itl_p99 is not None and p.itl_p99 <= slo), None)
+    tail = trace[-4:]
+    fraction = sum(p.tokens_per_second for p in tail) / len(tail) / oracle.tokens_per_second
+    over = sum(interval for p in trace if p.itl_p99 is not None and p.itl_p99 > slo)
+    settings = [p.max_num_seqs for p in trace[(within or len(trace)) - 1:]]
+    moves = [b - a for a, b in zip(settings, settings[1:]) if b != a]
+    reversals = sum(1 for x, y in zip(moves, moves[1:]) if (x > 0) != (y > 0))
+    return RunReport(start, fraction, within, over, reversals, trace[-1].max_num_seqs)
+
+
+@dataclass
+class ScalingRun:
+    step_up_seconds: float | None
+    step_down_seconds: float | None
+    trace: list[tuple[float, float, int, float]]  # (t, demand, replicas, served)
+
+
+def simulate_autoscaling(capacity: float, interval: float = 30.0, startup: float = 60.0) -> ScalingRun:
+    """A load step 0.6 → 3.2 → 0.6 replicas' worth of the measured capacity, 30 s intervals.
+
+    A new replica serves after ``startup`` seconds (model load); a removed one stops at once
+    (its pod drains in-flight requests, which this simulation does not model).
+    """
+    policy = ScalingPolicy(min_replicas=1, max_replicas=6)
+    phases = [(300.0, 0.6), (600.0, 3.2), (900.0, 0.6)]
+    demand_at = []
+    t = 0.0
+    for length, level in phases:
+        demand_at.append((t, t + length, level * capacity))
+        t += length
+    desired, ready_since, history = 1, [0.0], ScalingHistory()
+    queue_tokens = 0.0
+    trace = []
+    up_at = down_at = None
+    for step in range(int(t // interval)):
+        now = step * interval
+        demand = next(d for a, b, d in demand_at if a <= now < b)
+        ready = sum(1 for s in ready_since if now - s >= startup or s == 0.0)
+        served = min(demand + queue_tokens / interval, ready * capacity)
+        queue_tokens = max(0.0, queue_tokens + (demand - served) * interval)
+        tokens_per_request = 100.0
+        obs = _scaling_observation(served, queue_tokens / tokens_per_request, ready, interval, tokens_per_request)
+        saturated = served >= 0.98 * ready * capacity
+        decision = autoscale(obs, ReplicaState(desired, ready), policy, history, now, saturated)
+        history = decision.history
+        if decision.replicas > desired:
+            ready_since += [now] * (decision.replicas - desired)
+        elif decision.replicas < desired:
+            ready_since = ready_since[: decision.replicas]
+        desired = decision.replicas
+        trace.append((now, demand, ready, served))
+        if up_at is None and now >= 300 and ready * capacity >= demand:
+            up_at = now - 300
+        if down_at is None and now >= 900 and desired == 1:
+            down_at = now - 900
+    return ScalingRun(up_at, down_at, trace)
+
+
+def _scaling_observation(served: float, waiting: float, pods: int, seconds: float, per_request: float) -> Observation:
+    return Observation(
+        window_seconds=seconds, pods=pods, output_tokens_per_second=served, prompt_tokens_per_second=0.0,
+        requests_per_second=served / per_request, requests_finished=served * seconds / per_request,
+        itl_samples=served * seconds, ttft_p50=None, ttft_p99=None, itl_p50=None, itl_p99=None, e2e_p50=None,
+        e2e_p99=None, queue_time_p99=None, mean_running_per_pod=None, running=0.0, waiting=waiting,
+        waiting_now=waiting, kv_cache_usage=0.0, kv_cache_blocks=0.0, preemptions_per_second=0.0,
+        prefix_cache_hit_rate=None, mean_output_tokens_per_request=per_request, max_num_seqs=None,
+        max_num_batched_tokens=None, gpu_memory_utilization=None,
+    )
+
+
+def plot_run(trace: list[Interval], oracle: Interval, slo: float, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [p.t for p in trace]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
+    axes[0].plot(t, [p.tokens_per_second for p in trace], marker="o")
+    axes[0].axhline(oracle.tokens_per_second, color="green", linestyle="--", label="static oracle")
+    axes[0].axhline(0.9 * oracle.tokens_per_second, color="green", linestyle=":", label="90% of oracle")
+    axes[0].set_ylabel("output tok/s")
+    axes[0].legend(loc="lower right")
+    axes[1].plot(t, [(p.itl_p99 or math.nan) * 1000 for p in trace], marker="o", color="tab:orange")
+    axes[1].axhline(slo * 1000, color="red", linestyle="--", label="SLO")
+    axes[1].set_ylabel("ITL P99 (ms)")
+    axes[1].legend(loc="upper right")
+    axes[2].step(t, [p.max_num_seqs for p in trace], where="post", marker="o", color="tab:purple")
+    axes[2].axhline(oracle.max_num_seqs, color="green", linestyle="--", label="oracle setting")
+    axes[2].set_ylabel("max_num_seqs")
+    axes[2].set_xlabel("seconds (one point per tuning interval)")
+    axes[2].legend(loc="upper right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(points: list[Interval], slo: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ms = [p.max_num_seqs for p in points]
+    ax.plot(ms, [p.tokens_per_second for p in points], marker="o", label="output tok/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max_num_seqs (static)")
+    ax.set_ylabel("output tok/s")
+    twin = ax.twinx()
+    twin.plot(ms, [(p.itl_p99 or math.nan) * 1000 for p in points], marker="s", color="tab:orange", label="ITL P99")
+    twin.axhline(slo * 1000, color="red", linestyle="--", label="SLO")
+    twin.set_ylabel("ITL P99 (ms)")
+    fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_scaling(run: ScalingRun, capacity: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [x[0] for x in run.trace]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(t, [x[1] for x in run.trace], label="demand (tok/s)")
+    ax.plot(t, [x[3] for x in run.trace], label="served (tok/s)")
+    ax.step(t, [x[2] * capacity for x in run.trace], where="post", label="ready capacity (tok/s)")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("output tok/s")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _ms(value: float | None) -> str:
+    return "   n/a" if value is None else f"{value * 1000:6.1f} ms"
+
+
+def main() -> int:
+    args = parse_args()
+    model = model_path(args)
+    port = args.port or free_port()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below
+    server = EngineServer(model, port, args.grid[0], args.grid[-1], args.dtype, args.max_num_batched_tokens,
+                          args.engine_threads)
+    load = None
+    try:
+        server.wait_ready()
+        load = PoissonLoad(server.url, args.rate, args.max_in_flight, args.seed, args.prompt_words, args.output_tokens)
+        load.start()
+        time.sleep(2 * args.warmup)  # first forwards are slow (allocator, caches)
+        print(f"sweep (Poisson {args.rate:g} req/s, ≤{args.max_in_flight} in flight):", flush=True)
+        points = asyncio.run(sweep(server.url, args.grid, args.warmup, args.measure))
+        slo = choose_slo(points, args.slo_ms)
+        oracle = oracle_point(points, slo)
+        if oracle is None:
+            raise SystemExit(f"no setting meets the ITL P99 SLO of {slo * 1000:.0f} ms; give a larger --slo-ms")
+        print(f"SLO: ITL P99 ≤ {slo * 1000:.1f} ms; oracle: max_num_seqs {oracle.max_num_seqs} at "
+              f"{oracle.tokens_per_second:.1f} tok/s (ITL P99 {_ms(oracle.itl_p99)})", flush=True)
+
+        bounds = tuner.Bounds(args.grid[0], args.grid[-1], 0.5, 0.95)
+        runs, reports = {}, []
+        for start in (args.grid[0], args.grid[-1]):
+            print(f"closed loop from max_num_seqs {start}:", flush=True)
+            trace = asyncio.run(closed_loop(server.url, start, slo, bounds, args.interval, args.intervals))
+            runs[start] = trace
+            reports.append(report(trace, start, oracle, slo, args.interval))
+
+        scaling = simulate_autoscaling(oracle.tokens_per_second)
+    finally:
+        if load is not None:
+            load.stop()
+        server.stop()
+
+    print("\nresults")
+    print(f"  SLO ITL P99 {slo * 1000:.1f} ms, oracle {oracle.tokens_per_second:.1f} tok/s at max_num_seqs "
+          f"{oracle.max_num_seqs}, tuning interval {args.interval:g} s")
+    for r in reports:
+        print(f"  start {r.start:3d}: {r.fraction_of_oracle:.0%} of oracle (last 4 intervals), within 10% after "
+              f"{r.intervals_to_within_10pct} intervals, {r.seconds_over_slo:.0f} s over the SLO, "
+              f"{r.reversals_after} reversals after, final max_num_seqs {r.final_max_num_seqs}")
+    print(f"  autoscaling (simulated, {oracle.tokens_per_second:.0f} tok/s per replica, 60 s start-up): "
+          f"capacity caught up {scaling.step_up_seconds} s after the step up, back to 1 replica "
+          f"{scaling.step_down_seconds} s after the step down")
+    print(f"  load: {load.stats.sent} sent, {load.stats.ok} ok, {load.stats.failed} failed {load.stats.errors}, "
+          f"{load.stats.shed} shed at the client")
+
+    if not args.no_plots:
+        DOCS.mkdir(exist_ok=True)
+        plot_sweep(points, slo, DOCS / "tuning-sweep.png")
+        for start, trace in runs.items():
+            label = "small" if start == args.grid[0] else "large"
+            plot_run(trace, oracle, slo, f"Live tuning from max_num_seqs {start} (small model, CPU)",
+                     DOCS / f"tuning-from-{label}.png")
+        plot_scaling(scaling, oracle.tokens_per_second, DOCS / "tuning-autoscaling.png")
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "slo_seconds": slo, "oracle": asdict(oracle), "sweep": [asdict(p) for p in points],
+            "runs": {str(s): [asdict(p) for p in t] for s, t in runs.items()},
+            "reports": [asdict(r) for r in reports], "scaling": asdict(scaling), "load": asdict(load.stats),
+        }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
