@@ -22,7 +22,7 @@ def _kv_cache_store_kernel(
     HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
     block = slot // BLOCK_SIZE

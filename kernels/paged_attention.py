@@ -161,7 +161,7 @@ def default_launch_config(max_query_len: int, queries_per_kv: int, head_dim: int
                           device: torch.device) -> AttentionLaunchConfig:
     """Decode batches pack a KV head's query heads into a minimal 16-row tile; prefill uses 64 rows."""
     group_rows = triton.next_power_of_2(queries_per_kv)
-    head_dim_pad = triton.next_power_of_2(head_dim)
+    head_dim_pad = padded_head_dim(head_dim)
     if device.type != "cuda":
         # The interpreter runs tiles as numpy arrays: fewer, larger programs are faster.
         return AttentionLaunchConfig(block_m=max(16 if max_query_len == 1 else 32, group_rows),
@@ -171,6 +171,11 @@ def default_launch_config(max_query_len: int, queries_per_kv: int, head_dim: int
                                      num_warps=4, num_stages=3)
     return AttentionLaunchConfig(block_m=max(64, group_rows), tile_n=64 if head_dim_pad <= 128 else 32,
                                  num_warps=4, num_stages=2)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Tiles span a power of two >= 16 along head_dim (tl.dot needs K >= 16); extra lanes are masked."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def paged_attention(
@@ -213,7 +218,7 @@ def paged_attention(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
-    head_dim_pad = triton.next_power_of_2(head_dim)
+    head_dim_pad = padded_head_dim(head_dim)
     block_q = config.block_m // queries_per_kv
     num_q_tiles = num_tokens // block_q + num_seqs
     if num_splits > 1:

@@ -66,7 +66,7 @@ def _merge_splits_kernel(
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     split_mask = splits < NUM_SPLITS
-    row = token * NUM_HEADS + head
+    row = token.to(tl.int64) * NUM_HEADS + head
     # lse: [SPLITS_PAD] base-2 log-sum-exp of each split's scaled scores; -inf for an empty split.
     lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
@@ -84,7 +84,8 @@ def _merge_splits_kernel(
 def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
     """Combine per-split results into out [num_tokens, num_heads, head_dim].
 
-    partial_out: [num_tokens, num_heads, num_splits, head_dim_pad] float32, each split normalised by
+    partial_out: [num_tokens, num_heads, num_splits, head_dim_pad] float32 (head_dim_pad a power of two
+    >= head_dim; lanes beyond head_dim are ignored), each split normalised by
     its own softmax sum; partial_lse: [num_tokens, num_heads, num_splits] float32, base-2 log-sum-exp
     of the split's scaled scores (-inf when the split saw no key).
     """
@@ -92,7 +93,7 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torc
     head_dim = out.shape[2]
     if partial_lse.shape != (num_tokens, num_heads, num_splits):
         raise ValueError(f"partial_lse must be {(num_tokens, num_heads, num_splits)}, got {tuple(partial_lse.shape)}")
-    if out.shape[:2] != (num_tokens, num_heads) or head_dim_pad != triton.next_power_of_2(head_dim):
+    if out.shape[:2] != (num_tokens, num_heads) or head_dim_pad < head_dim or head_dim_pad & (head_dim_pad - 1):
         raise ValueError(f"out {tuple(out.shape)} does not match partial_out {tuple(partial_out.shape)}")
     if not (partial_out.is_contiguous() and partial_lse.is_contiguous()) or out.stride(2) != 1:
         raise ValueError("partial_out/partial_lse must be contiguous and out contiguous in head_dim")

@@ -26,6 +26,7 @@ SMALL_CASES = [
     ([4, 1, 6], [21, 33, 6], 6, 2, 32, 16),  # GQA 3: group not a power of two
     ([3, 1], [11, 26], 4, 4, 24, 8),  # head_dim 24: padded to 32 inside the kernel
     ([2, 1], [130, 5], 4, 2, 16, 128),  # block_size 128
+    ([2, 1], [9, 14], 4, 2, 8, 8),  # head_dim 8: padded to the 16 lanes a tile needs
 ]
 LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 REAL_CASES = [
