@@ -78,6 +78,68 @@ def _allow_models_import_without_safetensors() -> None:
     print("note: safetensors is not installed; using a placeholder (no checkpoint is loaded here)")
 
 
+KERNEL_CATEGORIES = ("attention", "kv store", "matmul", "other")
+_MATMUL_MARKERS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "ampere_", "aten::mm",
+                   "aten::addmm", "aten::bmm")
+
+
+def _category(name: str) -> str:
+    lowered = name.lower()
+    if "paged_attention" in lowered or "merge_splits" in lowered:
+        return "attention"
+    if "kv_cache_store" in lowered:
+        return "kv store"
+    if any(marker in lowered for marker in _MATMUL_MARKERS):
+        return "matmul"
+    return "other"  # norms, RoPE, activations, residual adds, embedding, argmax: fusion candidates
+
+
+def kernel_time_breakdown(model, forward, batch, args, arch, device, block_size, blocks_per_seq) -> dict:
+    """Milliseconds of one eager decode step (forward + LM head + argmax) per kernel category."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvpilot.engine.attention import AttentionMetadata
+
+    position = args.context
+    block_tables = (torch.arange(batch * blocks_per_seq, device=device) + 1).view(batch, blocks_per_seq).int()
+    metadata = AttentionMetadata(
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), position + 1, dtype=torch.int32, device=device),
+        block_tables=block_tables,
+        slot_mapping=block_tables[:, position // block_size].long() * block_size + position % block_size,
+        max_query_len=1, max_seq_len=position + 1,
+        query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[position + 1] * batch)
+    ids = torch.zeros(batch, dtype=torch.int64, device=device)
+    positions = torch.full((batch,), position, dtype=torch.int64, device=device)
+    on_cuda = device.type == "cuda"
+
+    def step():
+        return model.compute_logits(forward(ids, positions, metadata)).argmax(dim=-1)
+
+    with torch.inference_mode():
+        step()  # warm: nothing compiles inside the profile
+        if on_cuda:
+            torch.cuda.synchronize()
+        activities = [ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
+            step()
+            if on_cuda:
+                torch.cuda.synchronize()
+    totals = dict.fromkeys(KERNEL_CATEGORIES, 0.0)
+    for event in prof.key_averages():
+        if on_cuda:
+            micros = getattr(event, "self_device_time_total", None)
+            if micros is None:
+                micros = getattr(event, "self_cuda_time_total", 0.0)
+        elif event.key.startswith("aten::") or "_kernel" in event.key:
+            micros = event.self_cpu_time_total
+        else:
+            continue
+        totals[_category(event.key)] += micros / 1e3
+    return totals
+
+
 def main() -> int:
     args = parse_args()
     if args.smoke:
@@ -185,12 +247,24 @@ def main() -> int:
                             weights_kv_roofline_tokens_per_s=roof_all,
                             fraction_of_weights_kv_roofline=tps / roof_all if peak else None))
 
+    breakdown_rows = []
+    for batch in sorted({args.batches[0], *[b for b in args.batches if b in (32, 256)], args.batches[-1]}):
+        shares = kernel_time_breakdown(model, forward, batch, args, arch, device, block_size, blocks_per_seq)
+        breakdown_rows.append([batch] + [shares.get(c) for c in KERNEL_CATEGORIES])
+        records_by_batch = {r["batch"]: r for r in records}
+        records_by_batch[batch]["kernel_time_ms"] = shares
+
     headers = ["batch", "context", "step ms", "tok/s (graph)", "tok/s (eager)", "roofline tok/s (weights)",
                "of roofline", "roofline tok/s (weights+KV)", "of roofline"]
     print(format_table(headers, rows))
+    breakdown_headers = ["batch"] + [f"{c} ms" for c in KERNEL_CATEGORIES]
+    unit = "GPU kernel" if device.type == "cuda" else "CPU op"
+    print(f"\n{unit} time of one eager decode step by kind (profiler; the graph replays the same kernels)")
+    print(format_table(breakdown_headers, breakdown_rows))
     markdown = (f"## Decode throughput: {source}, {str(dtype).removeprefix('torch.')}, block {block_size}\n\n"
                 f"{env}; peak: {peak_source}; {weights_read / 1e9:.2f} GB of weights read per step\n\n"
-                + markdown_table(headers, rows))
+                + markdown_table(headers, rows)
+                + f"\n\n### {unit} time of one decode step by kind\n\n" + markdown_table(breakdown_headers, breakdown_rows))
     write_results(args.out, "gpu_decode", {"environment": env, "peak_source": peak_source, "model": source,
                                            "weights_read_bytes": weights_read, "results": records}, markdown)
     return 0
