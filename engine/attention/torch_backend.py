@@ -1,10 +1,12 @@
 """Reference attention over the paged KV cache in plain torch: the CPU path.
 
-Decode rows (one new token per sequence) dominate a serving step, so they are attended
-together: their paged contexts are gathered into one padded batch and masked by length,
-one ``scaled_dot_product_attention`` call for all of them. Sequences with several new
-tokens (prefill chunks) are attended one by one with a causal mask offset by their
-cached prefix.
+Decode rows (one new token per sequence) dominate a serving step, so they are attended in
+batches: sequences are sorted by context length and cut into a few groups, each group's paged
+contexts are gathered into one buffer padded to the group's longest context and masked by
+length, one ``scaled_dot_product_attention`` call per group. Grouping by length keeps the
+padding (wasted reads) small when short and long contexts mix. Sequences with several new
+tokens (prefill chunks) are attended one by one with a causal mask offset by their cached
+prefix.
 
 Grouped-query attention needs no copy of K/V: query heads that share a KV head are folded
 into the query-length dimension, since HF's ``repeat_kv`` maps query head h to KV head
@@ -20,19 +22,28 @@ import torch.nn.functional as F
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
 
+# A new decode group starts once contexts have shrunk to this fraction of the group's longest
+# and the group already holds enough sequences to amortise one more gather + attention call.
+_REGROUP_BLOCK_RATIO = 0.6
+_MIN_GROUP_SIZE = 8
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    rows: torch.Tensor  # [n] int64 rows in the flat batch of sequences with q_len == 1
+    blocks: torch.Tensor  # [n, num_blocks] int64 block ids covering the group's longest context
+    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool, True = a real key
+
 
 @dataclass(frozen=True)
 class _StepPlan:
     """How one step's sequences are attended; built once per step, shared by every layer."""
 
-    decode_seqs: torch.Tensor | None  # [num_decode] int64 sequence indices with q_len == 1
-    decode_rows: torch.Tensor | None  # [num_decode] int64 their rows in the flat batch
-    decode_blocks: torch.Tensor | None  # [num_decode, num_blocks_needed] block ids
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, num_blocks_needed * block_size] bool
+    decode_groups: tuple[_DecodeGroup, ...]
     # (seq index, first row, q_len, seq_len) of every sequence with q_len > 1
     multi_token_seqs: tuple[tuple[int, int, int, int], ...]
     store_all_rows: bool  # no padding rows: slot_mapping can be used as is
-    decode_only: bool  # every row is one sequence's single new token, in order (a pure decode step)
+    writes_all_rows: bool  # every output row is computed, so it need not be zeroed first
 
 
 class TorchAttentionBackend:
@@ -42,6 +53,9 @@ class TorchAttentionBackend:
         # The plan depends only on the (immutable) metadata, so every layer of a step reuses it.
         self._plan_metadata: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
+        # Reused gather buffer for decode K/V: a fresh multi-MB tensor per layer costs more in page
+        # faults than the copy itself.
+        self._workspace: torch.Tensor | None = None
 
     def forward(
         self,
@@ -57,14 +71,13 @@ class TorchAttentionBackend:
         store_kv(key, value, kv_cache, metadata.slot_mapping, plan.store_all_rows)
 
         num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = key.shape[1]
-        group = num_heads // num_kv_heads
-        if plan.decode_only:
-            return _attend_decode(query, kv_cache, plan, group, scale)
-        out = query.new_zeros(num_tokens, num_heads, head_dim)
+        group = num_heads // key.shape[1]
+        out = query.new_empty if plan.writes_all_rows else query.new_zeros
+        out = out(num_tokens, num_heads, head_dim)
 
-        if plan.decode_seqs is not None:
-            out[plan.decode_rows] = _attend_decode(query, kv_cache, plan, group, scale)
+        for decode_group in plan.decode_groups:
+            gathered = self._gather(kv_cache, decode_group.blocks)
+            out[decode_group.rows] = _attend_decode(query[decode_group.rows], gathered, decode_group.mask, group, scale)
 
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         for seq, start, q_len, seq_len in plan.multi_token_seqs:
@@ -76,10 +89,28 @@ class TorchAttentionBackend:
             else:
                 num_blocks = -(-seq_len // block_size)
                 blocks = metadata.block_tables[seq, :num_blocks].long()
-                k = key_cache[blocks].flatten(0, 1)[:seq_len]
-                v = value_cache[blocks].flatten(0, 1)[:seq_len]
+                k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+                v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
             out[start : start + q_len] = _attend_causal(q, k, v, group, scale)
         return out
+
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks [n, b] of K and V -> [2, n, b * block_size, num_kv_heads, head_dim] (a reused buffer)."""
+        n, blocks_per_seq = blocks.shape
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        shape = (2, n * blocks_per_seq, block_size, num_kv_heads, head_dim)
+        numel = 2 * n * blocks_per_seq * block_size * num_kv_heads * head_dim
+        workspace = self._workspace
+        if (
+            workspace is None
+            or workspace.numel() < numel
+            or workspace.dtype != kv_cache.dtype
+            or workspace.device != kv_cache.device
+        ):
+            workspace = self._workspace = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
+        gathered = workspace[:numel].view(shape)
+        torch.index_select(kv_cache, 1, blocks.flatten(), out=gathered)
+        return gathered.view(2, n, blocks_per_seq * block_size, num_kv_heads, head_dim)
 
     def _plan_for(self, metadata: AttentionMetadata, block_size: int) -> _StepPlan:
         if metadata is not self._plan_metadata:
@@ -119,49 +150,61 @@ def _build_plan(metadata: AttentionMetadata, block_size: int) -> _StepPlan:
         elif q_len > 1:
             multi.append((i, starts[i], q_len, seq_len))
 
-    device = metadata.block_tables.device
-    decode_seqs = decode_rows = decode_blocks = decode_mask = None
-    if decode:
-        max_len = max(seq_lens[i] for i in decode)
-        num_blocks = -(-max_len // block_size)
-        decode_seqs = torch.tensor(decode, dtype=torch.int64, device=device)
-        decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.int64, device=device)
-        decode_blocks = metadata.block_tables[decode_seqs, :num_blocks].long()
-        lens = torch.tensor([seq_lens[i] for i in decode], device=device)
-        positions = torch.arange(num_blocks * block_size, device=device)
-        decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-
+    groups = tuple(
+        _decode_group(members, metadata, block_size) for members in _split_by_length(decode, seq_lens, block_size)
+    )
     num_tokens = metadata.slot_mapping.shape[0]
     no_padding = num_tokens == starts[-1]
     return _StepPlan(
-        decode_seqs=decode_seqs,
-        decode_rows=decode_rows,
-        decode_blocks=decode_blocks,
-        decode_mask=decode_mask,
+        decode_groups=groups,
         multi_token_seqs=tuple(multi),
         store_all_rows=no_padding and bool((metadata.slot_mapping >= 0).all()),
-        decode_only=no_padding and len(decode) == len(seq_lens) > 0,
+        writes_all_rows=no_padding,
+    )
+
+
+def _split_by_length(decode: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Decode sequences, longest context first, cut where padding to the group's longest gets wasteful."""
+    groups: list[list[int]] = []
+    group_blocks = 0
+    for i in sorted(decode, key=lambda i: seq_lens[i], reverse=True):
+        blocks = -(-seq_lens[i] // block_size)
+        if not groups or (len(groups[-1]) >= _MIN_GROUP_SIZE and blocks <= group_blocks * _REGROUP_BLOCK_RATIO):
+            groups.append([])
+            group_blocks = blocks
+        groups[-1].append(i)
+    return groups
+
+
+def _decode_group(members: list[int], metadata: AttentionMetadata, block_size: int) -> _DecodeGroup:
+    device = metadata.block_tables.device
+    lens = [metadata.seq_lens_cpu[i] for i in members]
+    num_blocks = -(-max(lens) // block_size)
+    seqs = torch.tensor(members, dtype=torch.int64, device=device)
+    positions = torch.arange(num_blocks * block_size, device=device)
+    lens_tensor = torch.tensor(lens, device=device)
+    return _DecodeGroup(
+        rows=torch.tensor([metadata.query_start_loc_cpu[i] for i in members], dtype=torch.int64, device=device),
+        blocks=metadata.block_tables[seqs, :num_blocks].long(),
+        mask=(positions[None, :] < lens_tensor[:, None])[:, None, None, :],
     )
 
 
 def _attend_decode(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    plan: _StepPlan,
+    query: torch.Tensor,  # [n, num_heads, head_dim]
+    gathered_kv: torch.Tensor,  # [2, n, padded_len, num_kv_heads, head_dim]
+    mask: torch.Tensor,  # [n, 1, 1, padded_len] bool
     group: int,
     scale: float,
-) -> torch.Tensor:  # [num_decode, num_heads, head_dim]
-    assert plan.decode_rows is not None and plan.decode_blocks is not None
-    num_decode = plan.decode_rows.shape[0]
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    # q: [num_decode, num_kv_heads, group, head_dim]: the group's heads act as query rows
-    rows = query if plan.decode_only else query[plan.decode_rows]
-    q = rows.reshape(num_decode, num_kv_heads, group, head_dim)
-    # k, v: [num_decode, num_kv_heads, padded_len, head_dim]
-    k = kv_cache[0][plan.decode_blocks].flatten(1, 2).transpose(1, 2)
-    v = kv_cache[1][plan.decode_blocks].flatten(1, 2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
-    return out.reshape(num_decode, num_kv_heads * group, head_dim)
+) -> torch.Tensor:  # [n, num_heads, head_dim]
+    _, n, _, num_kv_heads, head_dim = gathered_kv.shape
+    # q: [n, num_kv_heads, group, head_dim]: the group's heads act as query rows
+    q = query.reshape(n, num_kv_heads, group, head_dim)
+    # k, v: [n, num_kv_heads, padded_len, head_dim]
+    k = gathered_kv[0].transpose(1, 2)
+    v = gathered_kv[1].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(n, num_kv_heads * group, head_dim)
 
 
 def _attend_causal(

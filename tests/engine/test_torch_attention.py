@@ -79,6 +79,8 @@ CASES = {
     "prefill_only": [(0, 7), (0, 16), (0, 1)],
     "mixed": [(0, 9), (20, 1), (17, 5), (3, 1), (31, 18), (0, 1)],
     "chunk_on_prefix": [(32, 16), (15, 2)],
+    # Enough decode rows of spread-out lengths to be split into several length groups.
+    "many_decodes": [((i * 37) % 90, 1) for i in range(24)] + [(0, 5), (40, 3)],
 }
 
 
@@ -115,6 +117,16 @@ def test_new_tokens_are_stored_and_padding_rows_skipped():
     written[real_slots] = True
     # Padding rows (slot -1) must not overwrite anything, in particular not the last slot.
     torch.testing.assert_close(flat_k[~written], untouched[0].view(-1, 2, 8)[~written])
+
+
+def test_decode_rows_are_split_into_length_groups():
+    from kvpilot.engine.attention.torch_backend import _build_plan
+
+    *_, metadata, _, _, _ = build_case(CASES["many_decodes"], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=0)
+    plan = _build_plan(metadata, block_size=4)
+    assert len(plan.decode_groups) > 1
+    assert sum(g.rows.numel() for g in plan.decode_groups) == 24
+    assert len(plan.multi_token_seqs) == 2
 
 
 def test_bfloat16_close_to_float32():
