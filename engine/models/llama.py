@@ -115,11 +115,10 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device) for _ in range(arch.num_layers))
         self.norm = _empty(arch.hidden_size, **kw)
         self.lm_head = None if arch.tie_word_embeddings else _empty(arch.vocab_size, arch.hidden_size, **kw)
+        # Angles are computed per step from the positions (as transformers does) rather than cached
+        # for max_position_embeddings, which is 128k positions for Llama 3.
         inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
-        angles = torch.outer(torch.arange(arch.max_position_embeddings, dtype=torch.float32), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)
+        self.register_buffer("rope_inv_freq", inv_freq.to(device), persistent=False)  # [head_dim // 2] float32
 
     @property
     def dtype(self) -> torch.dtype:
@@ -134,8 +133,10 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(1)
+        angles = positions.float()[:, None] * self.rope_inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [num_tokens, 1, head_dim]
+        cos = angles.cos().to(hidden.dtype)
+        sin = angles.sin().to(hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, metadata, backend)
         return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
