@@ -52,12 +52,13 @@ def make_paged_batch(q_lens: list[int], seq_lens: list[int], *, num_heads: int, 
     turns its output into NaN and fails the comparison.
     """
     assert len(q_lens) == len(seq_lens) and all(0 <= q <= s for q, s in zip(q_lens, seq_lens))
-    gen = torch.Generator().manual_seed(seed)
+    # Generated where it is used: real-shape caches on a GPU hold millions of values.
+    gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = 1 + sum(blocks_per_seq) + extra_blocks
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
     kv_cache[:, 0] = float("nan")
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    order = (torch.randperm(num_blocks - 1, generator=gen, device=device) + 1).tolist()
     max_blocks = max(blocks_per_seq + [1]) + 2
     block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
     for i, (n, seq_len) in enumerate(zip(blocks_per_seq, seq_lens)):
@@ -65,10 +66,10 @@ def make_paged_batch(q_lens: list[int], seq_lens: list[int], *, num_heads: int, 
         block_tables[i, :n] = torch.tensor(mine, dtype=torch.int32)
         if seq_len % block_size:
             kv_cache[:, mine[-1], seq_len % block_size:] = float("nan")
-    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen, device=device).to(dtype)
     query_start_loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     return PagedBatch(
-        query=query.to(device), kv_cache=kv_cache.to(device), block_tables=block_tables.to(device),
+        query=query, kv_cache=kv_cache, block_tables=block_tables.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=query_start_loc.to(device),
         max_query_len=max(q_lens), max_seq_len=max(seq_lens), scale=head_dim ** -0.5,
