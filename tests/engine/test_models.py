@@ -87,7 +87,8 @@ def test_logits_match_transformers_through_paged_cache(arch, tiny_model_dirs, hf
     logits = batch.step(model, prompts)
     start = 0
     for prompt in prompts:
-        torch.testing.assert_close(logits[start : start + len(prompt)], hf_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+        expected = hf_logits(hf_model, prompt)
+        torch.testing.assert_close(logits[start : start + len(prompt)], expected, atol=1e-4, rtol=1e-4)
         start += len(prompt)
 
     # Step 2: decode one token for some sequences and a chunk of three for another, all on top of

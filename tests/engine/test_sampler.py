@@ -18,7 +18,7 @@ VOCAB = 50
 def make_input(params=None, prompt=(5, 6), output=(), seed=None):
     params = params or SamplingParams(temperature=0.0)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplingInput(params=params, prompt_token_ids=list(prompt), output_token_ids=list(output), generator=generator)
+    return SamplingInput(params, prompt_token_ids=list(prompt), output_token_ids=list(output), generator=generator)
 
 
 def random_logits(rows, seed=0):

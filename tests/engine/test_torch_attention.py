@@ -122,7 +122,9 @@ def test_new_tokens_are_stored_and_padding_rows_skipped():
 def test_decode_rows_are_split_into_length_groups():
     from kvpilot.engine.attention.torch_backend import _build_plan
 
-    *_, metadata, _, _, _ = build_case(CASES["many_decodes"], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=0)
+    *_, metadata, _, _, _ = build_case(
+        CASES["many_decodes"], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=0
+    )
     plan = _build_plan(metadata, block_size=4)
     assert len(plan.decode_groups) > 1
     assert sum(g.rows.numel() for g in plan.decode_groups) == 24
