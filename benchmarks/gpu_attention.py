@@ -32,8 +32,9 @@ GOAL_MIN_BATCH = 32
 GOAL_MIN_CONTEXT = 2048
 # (tile_n, num_warps, num_stages) to try, most promising first (the sweep stops at its time budget).
 # Stages 5 double-buffers the K/V tiles; 3 prefetches the block-table entries two tiles ahead.
-SWEEP_TILES = [(64, 4, 3), (128, 4, 3), (32, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 5), (32, 4, 5),
-               (128, 4, 2), (64, 4, 2), (32, 2, 3)]
+SWEEP_TILES = [(64, 4, 3), (128, 4, 3), (32, 4, 3), (64, 8, 3), (64, 4, 5), (32, 4, 5), (64, 4, 2)]
+# Split counts tried with the default tiles (None: the launcher's choice).
+SWEEP_SPLITS = [None, 1, 2, 4, 8, 16]
 SWEEP_SHAPES = [(32, 2048), (128, 8192), (4, 32768)]
 PREFILL_SHAPES = [(1, 2048), (4, 2048), (1, 8192)]  # (prompts, prompt length)
 
@@ -216,7 +217,7 @@ def prefill_table(bench: Bench, args, time_ms, paged_attention) -> tuple[list, l
 
 def sweep_table(bench: Bench, args, time_ms, paged_attention, choose_num_splits, default_launch_config,
                 AttentionLaunchConfig) -> list[dict]:
-    """Time tile shapes x warps x stages x (auto split | no split) on a few decode shapes."""
+    """Time tile shapes x warps x stages (launcher's split count), then split counts (default tiles)."""
     torch = bench.torch
     records = []
     deadline = time.monotonic() + args.sweep_budget_s
@@ -227,7 +228,8 @@ def sweep_table(bench: Bench, args, time_ms, paged_attention, choose_num_splits,
         default = default_launch_config(1, bench.num_heads // bench.num_kv_heads, bench.head_dim, bench.device)
         kv_bytes = 2 * batch * context * bench.num_kv_heads * bench.head_dim * bench.elt
         shape_records = []
-        for (tile_n, warps, stages), splits in itertools.product(SWEEP_TILES, (None, 1)):
+        trials = [(tiles, None) for tiles in SWEEP_TILES] + [(SWEEP_TILES[0], n) for n in SWEEP_SPLITS[1:]]
+        for (tile_n, warps, stages), splits in trials:
             if time.monotonic() > deadline:
                 print(f"  sweep budget of {args.sweep_budget_s:.0f} s spent; stopping at batch {batch} x {context}")
                 break
@@ -242,13 +244,13 @@ def sweep_table(bench: Bench, args, time_ms, paged_attention, choose_num_splits,
             except Exception as exc:  # a config that does not fit shared memory is a data point, not an error
                 print(f"  tile_n={tile_n} warps={warps} stages={stages} failed: {type(exc).__name__}: {exc}"[:300])
                 continue
-            used_splits = choose_num_splits(batch, bench.num_kv_heads, 1, context, bench.device) if splits is None else 1
+            used_splits = choose_num_splits(batch, bench.num_kv_heads, 1, context, bench.device) if splits is None else splits
             shape_records.append(dict(batch=batch, context=context, tile_n=tile_n, num_warps=warps,
                                       num_stages=stages, num_splits=used_splits, us=ms * 1e3,
                                       peak_fraction=kv_bytes / (ms * 1e-3) / bench.peak if bench.peak else None,
                                       is_default=(config == default and splits is None)))
         shape_records.sort(key=lambda r: r["us"])
-        records += shape_records[:6] + [r for r in shape_records[6:] if r["is_default"]]
+        records += shape_records[:8] + [r for r in shape_records[8:] if r["is_default"]]
         if bench.device.type == "cuda":
             torch.cuda.empty_cache()
     return records
