@@ -82,15 +82,16 @@ def parse_model_arch(config: dict[str, Any], generation_config: dict[str, Any], 
     family = SUPPORTED_ARCHITECTURES[architecture]
     field = _FieldReader(config, source)
 
-    hidden_size = field.int("hidden_size")
-    num_heads = field.int("num_attention_heads")
-    num_kv_heads = field.int("num_key_value_heads", default=num_heads)
+    hidden_size = field.positive_int("hidden_size")
+    num_heads = field.positive_int("num_attention_heads")
+    num_kv_heads = field.positive_int("num_key_value_heads", default=num_heads)
     if num_heads % num_kv_heads:
         raise ModelLoadError(
             f"{source}: num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
         )
-    head_dim = config.get("head_dim")
-    if head_dim is None:
+    if config.get("head_dim") is not None:
+        head_dim = field.positive_int("head_dim")
+    else:
         if hidden_size % num_heads:
             raise ModelLoadError(
                 f"{source}: hidden_size ({hidden_size}) is not divisible by num_attention_heads ({num_heads}); "
@@ -109,13 +110,13 @@ def parse_model_arch(config: dict[str, Any], generation_config: dict[str, Any], 
         architecture=architecture,
         model_type=family,
         hidden_size=hidden_size,
-        num_layers=field.int("num_hidden_layers"),
+        num_layers=field.positive_int("num_hidden_layers"),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=int(head_dim),
-        intermediate_size=field.int("intermediate_size"),
-        vocab_size=field.int("vocab_size"),
-        max_position_embeddings=field.int("max_position_embeddings"),
+        head_dim=head_dim,
+        intermediate_size=field.positive_int("intermediate_size"),
+        vocab_size=field.positive_int("vocab_size"),
+        max_position_embeddings=field.positive_int("max_position_embeddings"),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -185,7 +186,7 @@ class _FieldReader:
         self._config = config
         self._source = source
 
-    def int(self, name: str, default: int | None = None) -> int:
+    def positive_int(self, name: str, default: int | None = None) -> int:
         value = self._config.get(name, default)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ModelLoadError(f"{self._source}: field {name!r} must be a positive integer, got {value!r}")
