@@ -87,6 +87,9 @@ def kube_controller_manager(bin_dir: Path, state: StateDir, ports: dict[str, int
         f"--cluster-signing-key-file={state.pki / 'ca.key'}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--controllers=*",
+        # Each controller acts as its own service account (system:controller:*), which RBAC
+        # grants what it needs; the manager's own identity may not create ReplicaSets or EndpointSlices.
+        "--use-service-account-credentials=true",
         "--profiling=false",
         "--v=1",
     ]
