@@ -67,16 +67,18 @@ if [ "$SMOKE" = 1 ]; then
   export TRITON_INTERPRET=1
   MODE=(--smoke)
   TEST_ENV=(env KVPILOT_TEST_DEVICE=cpu)
+  TEST_LIMIT=600  # the interpreter on a shared CPU: slow, and not bound by a GPU budget
 else
   "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || { echo "gpu.sh: no CUDA device; use --smoke for the CPU code-path check" >&2; exit 1; }
   MODE=()
   TEST_ENV=(env KVPILOT_TEST_DEVICE=cuda)
+  TEST_LIMIT=180
 fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   export TEST_LOG=${OUT_DIR:+$OUT_DIR/tests.log}
-  run_stage "kernel tests" 180 bash -c '"$@" 2>&1 | tee "${TEST_LOG:-/dev/null}"; exit "${PIPESTATUS[0]}"' _ \
+  run_stage "kernel tests" "$TEST_LIMIT" bash -c '"$@" 2>&1 | tee "${TEST_LOG:-/dev/null}"; exit "${PIPESTATUS[0]}"' _ \
     "${TEST_ENV[@]}" "$PY" -m pytest tests/kernels -q -p no:cacheprovider -rs
 else
   echo "=== kernel tests: NOT RUN: pytest is not installed for $PY (the benchmarks still check every shape) ==="
