@@ -8,6 +8,7 @@ moved within the grace period (50s), so both are renewed every few seconds.
 from __future__ import annotations
 
 import datetime
+import os
 
 from kvpilot.localcluster.api import KubeApi
 
@@ -70,7 +71,7 @@ def node_status(kubelet_port: int, since: str) -> dict:
             "kubeletVersion": "v1.37.2-kvpilot-local",
             "kubeProxyVersion": "",
             "containerRuntimeVersion": "kvpilot-local://processes",
-            "kernelVersion": "",
+            "kernelVersion": os.uname().release,
             "osImage": "host processes (kvpilot local-cluster)",
             "machineID": "",
             "systemUUID": "",

@@ -4,6 +4,9 @@ Each suite's conftest has a session fixture that calls ``acquire()`` and, at
 teardown, ``release()``; the cluster comes up on the first acquire and goes
 down on the last release, so a session pays for one start however many suites
 use it. Nothing here imports pytest.
+
+To iterate quickly, set KVPILOT_TEST_CLUSTER_DIR to a state folder: the tests
+then use the cluster running there (starting it if needed) and leave it up.
 """
 
 from __future__ import annotations
@@ -128,15 +131,19 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
 
 
+REUSE_ENV = "KVPILOT_TEST_CLUSTER_DIR"
 _shared: ClusterHandle | None = None
 _users = 0
+_owned = True
 
 
 def acquire() -> ClusterHandle:
     """The session's cluster, started on first use (state in a fresh temp folder)."""
-    global _shared, _users
+    global _shared, _users, _owned
     if _shared is None:
-        state_dir = Path(tempfile.mkdtemp(prefix="kvpilot-local-cluster-"))
+        reuse = os.environ.get(REUSE_ENV)
+        _owned = not reuse
+        state_dir = Path(reuse) if reuse else Path(tempfile.mkdtemp(prefix="kvpilot-local-cluster-"))
         cluster = LocalCluster(state_dir)
         result = cluster.up()
         _shared = ClusterHandle(cluster, result.record, result.seconds)
@@ -151,4 +158,6 @@ def release() -> list[str]:
     if _users > 0 or _shared is None:
         return []
     handle, _shared = _shared, None
+    if not _owned:
+        return []  # a cluster the developer asked to reuse stays up
     return handle.down()
