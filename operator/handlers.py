@@ -90,10 +90,9 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
         owner_name = (body.get("metadata", {}).get("labels") or {}).get(builders.INSTANCE_LABEL)
         if not owner_name:
             return
-        owner = context.kube.get_inference_service(namespace, owner_name)
-        if owner is None or owner["metadata"].get("deletionTimestamp"):
-            return
-        post_outcome(owner, reconcile.refresh_status(context.kube, owner))
+        outcome = reconcile.refresh_status(context.kube, {"metadata": {"name": owner_name, "namespace": namespace}})
+        if outcome.subject is not None:
+            post_outcome(outcome.subject, outcome)
 
     tuning_loop = tuning.TuningLoop(context.kube, context.settings)
 

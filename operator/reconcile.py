@@ -11,6 +11,8 @@ cheap half, run whenever an engine pod or the Deployment changes.
 from __future__ import annotations
 
 import secrets
+import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -31,6 +33,7 @@ class Outcome:
     actions: list[str] = field(default_factory=list)
     warnings: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
     status: dict[str, Any] = field(default_factory=dict)
+    subject: dict[str, Any] | None = None  # the InferenceService as last read, for posting Events
 
 
 def now_rfc3339() -> str:
@@ -94,27 +97,43 @@ def _apply(kube: Kube, manifest: dict[str, Any], owner: dict[str, Any], outcome:
         outcome.actions.append(f"Updated {kind} {name}")
 
 
+# One status writer per service at a time in this process: pod events, the resync and the
+# create/update handlers all refresh status, and each must see the status the last one wrote,
+# or a new problem would be announced once per concurrent refresh.
+_status_locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+
+
 def refresh_status(kube: Kube, body: dict[str, Any], *, spec: InferenceServiceSpec | None = None,
                    state: TuningState | None = None) -> Outcome:
-    """Recomputes the status from the children and writes it when it changed."""
+    """Recomputes the status from the children and writes it when it changed. Only the name and
+    namespace of ``body`` are read: the service is read afresh."""
     meta = body["metadata"]
     name, namespace = meta["name"], meta["namespace"]
-    if spec is None:
-        try:
-            spec = parse_spec(body.get("spec") or {})
-        except ValidationError:
-            return Outcome(status=body.get("status") or {})  # the next full reconcile reports it
-    if state is None:
-        state = read_tuning_state(kube, name, namespace, spec)
-    deployment = kube.get("apps/v1", "Deployment", namespace, name)
-    pods = kube.list("v1", "Pod", namespace, label_selector=builders.selector_string(name))
-    unready = {p["metadata"]["name"] for p in pods if not status.pod_ready(p)}
-    events = kube.pod_events(namespace, unready)
-    new_status = status.compute_status(
-        name=name, namespace=namespace, generation=meta.get("generation"), spec=spec, state=state,
-        deployment=deployment, pods=pods, events=events, previous_conditions=_conditions(body), now=now_rfc3339(),
-    )
-    return Outcome(warnings=_new_problems(body, new_status), status=_write_status(kube, body, new_status))
+    # A caller that applied a spec reports that spec's generation, even if a newer one has arrived.
+    applied_generation = meta.get("generation") if spec is not None else None
+    with _status_locks[(namespace, name)]:
+        body = kube.get_inference_service(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return Outcome()
+        if spec is None:
+            try:
+                spec = parse_spec(body.get("spec") or {})
+            except ValidationError:
+                return Outcome(status=body.get("status") or {})  # the next full reconcile reports it
+        if state is None:
+            state = read_tuning_state(kube, name, namespace, spec)
+        deployment = kube.get("apps/v1", "Deployment", namespace, name)
+        pods = kube.list("v1", "Pod", namespace, label_selector=builders.selector_string(name))
+        unready = {p["metadata"]["name"] for p in pods if not status.pod_ready(p)}
+        events = kube.pod_events(namespace, unready)
+        new_status = status.compute_status(
+            name=name, namespace=namespace, spec=spec,
+            generation=applied_generation or body["metadata"].get("generation"),
+            state=state, deployment=deployment, pods=pods, events=events,
+            previous_conditions=_conditions(body), now=now_rfc3339(),
+        )
+        return Outcome(warnings=_new_problems(body, new_status), status=_write_status(kube, body, new_status),
+                       subject=body)
 
 
 def _conditions(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -56,7 +56,7 @@ def diagnose_pods(spec: InferenceServiceSpec, pods: list[dict[str, Any]],
         problem = _diagnose_pod(spec, pod, events_by_pod.get(pod["metadata"]["name"], []))
         if problem is not None:
             problems.append(problem)
-    return sorted(problems, key=lambda p: REASON_PRIORITY.index(p.reason))
+    return sorted(problems, key=lambda p: (REASON_PRIORITY.index(p.reason), p.pod))
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:
