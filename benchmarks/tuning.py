@@ -365,7 +365,8 @@ class ScalingRun:
     trace: list[tuple[float, float, int, float]]  # (t, demand, replicas, served)
 
 
-def simulate_autoscaling(capacity: float, interval: float = 30.0, startup: float = 60.0) -> ScalingRun:
+def simulate_autoscaling(capacity: float, max_num_seqs: int, interval: float = 30.0,
+                         startup: float = 60.0) -> ScalingRun:
     """A load step 0.6 → 3.2 → 0.6 replicas' worth of the measured capacity, 30 s intervals.
 
     A new replica serves after ``startup`` seconds (model load); a removed one stops at once
@@ -389,7 +390,9 @@ def simulate_autoscaling(capacity: float, interval: float = 30.0, startup: float
         served = min(demand + queue_tokens / interval, ready * capacity)
         queue_tokens = max(0.0, queue_tokens + (demand - served) * interval)
         tokens_per_request = 100.0
-        obs = _scaling_observation(served, queue_tokens / tokens_per_request, ready, interval, tokens_per_request)
+        running = served / capacity * max_num_seqs  # batch slots busy in proportion to load
+        obs = _scaling_observation(served, queue_tokens / tokens_per_request, ready, interval, tokens_per_request,
+                                   running, max_num_seqs)
         saturated = served >= 0.98 * ready * capacity
         decision = autoscale(obs, ReplicaState(desired, ready), policy, history, now, saturated)
         history = decision.history
@@ -406,14 +409,15 @@ def simulate_autoscaling(capacity: float, interval: float = 30.0, startup: float
     return ScalingRun(up_at, down_at, trace)
 
 
-def _scaling_observation(served: float, waiting: float, pods: int, seconds: float, per_request: float) -> Observation:
+def _scaling_observation(served: float, waiting: float, pods: int, seconds: float, per_request: float,
+                         running: float, max_num_seqs: int) -> Observation:
     return Observation(
         window_seconds=seconds, pods=pods, output_tokens_per_second=served, prompt_tokens_per_second=0.0,
         requests_per_second=served / per_request, requests_finished=served * seconds / per_request,
         itl_samples=served * seconds, ttft_p50=None, ttft_p99=None, itl_p50=None, itl_p99=None, e2e_p50=None,
-        e2e_p99=None, queue_time_p99=None, mean_running_per_pod=None, running=0.0, waiting=waiting,
+        e2e_p99=None, queue_time_p99=None, mean_running_per_pod=running / pods, running=running, waiting=waiting,
         waiting_now=waiting, kv_cache_usage=0.0, kv_cache_blocks=0.0, preemptions_per_second=0.0,
-        prefix_cache_hit_rate=None, mean_output_tokens_per_request=per_request, max_num_seqs=None,
+        prefix_cache_hit_rate=None, mean_output_tokens_per_request=per_request, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=None, gpu_memory_utilization=None,
     )
 
@@ -521,7 +525,7 @@ def main() -> int:
             runs[start] = trace
             reports.append(report(trace, start, oracle, slo, args.interval))
 
-        scaling = simulate_autoscaling(oracle.tokens_per_second)
+        scaling = simulate_autoscaling(oracle.tokens_per_second, oracle.max_num_seqs)
     finally:
         if load is not None:
             load.stop()

@@ -5,7 +5,8 @@ what it served in the window plus its queue, spread over the time a queue
 may take to drain. Capacity is what one Ready replica delivered while it was
 saturated at its tuned ``max_num_seqs`` (the tuner moves it, so it is
 re-measured continuously). Replicas plan to run at ``target_utilization`` of
-that capacity.
+that capacity. Until a replica has been saturated once, batch slots stand in
+for tokens: requests running or queued against ``max_num_seqs`` per replica.
 
 Up is fast: straight to the replicas the demand needs. Down is slow: the
 highest recommendation of the stabilization window wins, one replica per
@@ -27,7 +28,7 @@ class ScalingPolicy:
     min_replicas: int
     max_replicas: int
     target_utilization: float = 0.8
-    queue_drain_seconds: float = 30.0
+    queue_drain_seconds: float = 60.0
     scale_down_stabilization_seconds: float = 300.0
     scale_down_step: int = 1
     capacity_smoothing: float = 0.5  # weight of the newest capacity measurement
@@ -89,7 +90,11 @@ class ScaleDecision:
 def measure_capacity(
     observation: Observation, ready: int, saturated: bool, previous: float | None, smoothing: float
 ) -> float | None:
-    """Per-replica capacity: smoothed over saturated windows; never below what a replica just served."""
+    """Per-replica capacity: smoothed over saturated windows, never below what a replica just served.
+
+    Only a saturated window measures capacity; an unsaturated one only shows a lower bound, and
+    planning replicas from a lower bound would over-provision.
+    """
     if ready <= 0 or observation.output_tokens_per_second <= 0:
         return previous
     per_replica = observation.output_tokens_per_second / ready
@@ -97,7 +102,7 @@ def measure_capacity(
         if previous is None:
             return per_replica
         return smoothing * per_replica + (1 - smoothing) * previous
-    return per_replica if previous is None or per_replica > previous else previous
+    return per_replica if previous is not None and per_replica > previous else previous
 
 
 def autoscale(
@@ -138,7 +143,16 @@ def autoscale(
         raw = policy.min_replicas
         basis = "no demand in the window"
     elif capacity is None or capacity <= 0:
-        if observation.waiting_now > 0 and replicas.pending_no_gpu == 0:
+        # Never saturated yet: plan by batch slots in use instead of tokens.
+        slots = observation.max_num_seqs
+        if slots:
+            in_use = observation.running + observation.waiting_now
+            raw = math.ceil(in_use / (slots * policy.target_utilization) - 1e-9)
+            basis = (
+                f"{in_use:.1f} requests running or queued vs {slots} slots per replica at "
+                f"{policy.target_utilization:.0%} (token capacity not measured yet) → {raw} replica(s)"
+            )
+        elif observation.waiting_now > 0 and replicas.pending_no_gpu == 0:
             raw = current + 1
             basis = f"{demand_text}, capacity not measured yet, requests queued"
         else:

@@ -160,7 +160,8 @@ class TuningLoop:
         token = self._admin_token(namespace, name)
         if tuning_on:
             params_state = self._tune(body, spec, state, scraped, params_state, live, ready, token, now, result)
-        self._sync_pods(state, ready, params_state, token, namespace, name, result)
+        if result.decision is None or not result.decision.changed:
+            self._sync_pods(state, ready, params_state, token, namespace, name, result)
         result.status["engine"] = {
             "maxNumSeqs": params_state.max_num_seqs,
             "maxNumBatchedTokens": params_state.max_num_batched_tokens,

@@ -32,7 +32,8 @@ def load(demand: float, replicas: int, tokens_per_request: float = 100.0) -> tup
         window_seconds=INTERVAL, pods=replicas, output_tokens_per_second=served, prompt_tokens_per_second=served,
         requests_per_second=served / tokens_per_request, requests_finished=served * INTERVAL / tokens_per_request,
         itl_samples=served * INTERVAL, ttft_p50=0.1, ttft_p99=0.5, itl_p50=0.05, itl_p99=0.08, e2e_p50=4.0,
-        e2e_p99=8.0, queue_time_p99=0.5, mean_running_per_pod=16.0, running=16.0 * replicas, waiting=backlog,
+        e2e_p99=8.0, queue_time_p99=0.5, mean_running_per_pod=16.0 * served / (CAPACITY * replicas),
+        running=16.0 * served / CAPACITY, waiting=backlog,
         waiting_now=backlog, kv_cache_usage=0.4, kv_cache_blocks=1000.0 * replicas, preemptions_per_second=0.0,
         prefix_cache_hit_rate=None, mean_output_tokens_per_request=tokens_per_request, max_num_seqs=16,
         max_num_batched_tokens=2048, gpu_memory_utilization=0.9,
@@ -112,12 +113,24 @@ def test_no_scale_down_with_a_queue_or_before_a_full_window():
     assert autoscale(queued, ReplicaState(3, 3), POLICY, history, 0.0, False).replicas == 3
 
 
-def test_unknown_capacity_adds_one_replica_only_when_requests_queue():
+def test_unknown_capacity_plans_by_batch_slots():
+    obs, _ = load(100.0, 3)  # 4 of 48 slots busy
+    history = ScalingHistory(observed_since=-1000.0)
+    decision = autoscale(obs, ReplicaState(3, 3), POLICY, history, 0.0, False)
+    assert decision.history.capacity_per_replica is None
+    assert decision.replicas == 2 and "slots" in decision.reason
+    crowded = obs.__class__(**{**obs.__dict__, "running": 48.0, "waiting_now": 20.0})
+    assert autoscale(crowded, ReplicaState(3, 3), POLICY, history, 0.0, False).replicas == 6
+
+
+def test_unknown_capacity_and_slots_adds_one_replica_only_when_requests_queue():
     obs, _ = load(100.0, 1)
-    idle = obs.__class__(**{**obs.__dict__, "output_tokens_per_second": 0.0})
+    blind = obs.__class__(**{**obs.__dict__, "max_num_seqs": None})
+    idle = blind.__class__(**{**blind.__dict__, "output_tokens_per_second": 0.0})
     assert autoscale(idle, ReplicaState(1, 1), POLICY, ScalingHistory(), 0.0, False).replicas == 1
-    queued = obs.__class__(**{**idle.__dict__, "waiting_now": 4.0})
+    queued = blind.__class__(**{**blind.__dict__, "waiting_now": 4.0})
     assert autoscale(queued, ReplicaState(1, 1), POLICY, ScalingHistory(), 0.0, False).replicas == 2
+    assert autoscale(blind, ReplicaState(1, 1), POLICY, ScalingHistory(), 0.0, False).replicas == 1
 
 
 def test_capacity_is_smoothed_over_saturated_windows_and_floored_by_unsaturated_ones():
@@ -126,6 +139,7 @@ def test_capacity_is_smoothed_over_saturated_windows_and_floored_by_unsaturated_
     assert measure_capacity(obs, 2, True, 600.0, 0.5) == pytest.approx(500.0)
     assert measure_capacity(obs, 2, False, 300.0, 0.5) == pytest.approx(400.0)
     assert measure_capacity(obs, 2, False, 600.0, 0.5) == pytest.approx(600.0)
+    assert measure_capacity(obs, 2, False, None, 0.5) is None  # a lower bound is not a capacity
 
 
 def test_history_round_trip_and_policy_validation():
