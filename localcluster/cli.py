@@ -33,8 +33,18 @@ def register(subparsers) -> None:
         sub.set_defaults(func=func)
         return sub
 
-    add("build", _build, "build the missing control-plane binaries (needs Go; cached per pinned versions)", False)
-    add("bin-dir", _bin_dir, "print the folder holding the built binaries (etcd, kube-*, kubectl, helm)", False)
+    add(
+        "build",
+        _build,
+        "build the missing control-plane binaries (needs Go; cached per pinned versions)",
+        False,
+    )
+    add(
+        "bin-dir",
+        _bin_dir,
+        "print the folder holding the built binaries (etcd, kube-*, kubectl, helm)",
+        False,
+    )
     add("up", _up, "start the cluster (reports it if already running) and wait until nodes are Ready")
     add("down", _down, "stop exactly the processes `up` started, and their pods")
     add("status", _status, "report each component as running or crashed")
@@ -84,7 +94,9 @@ def _up(args) -> int:
     if result.already_running:
         print(f"already running: {summary['server']} (state in {summary['state_dir']})")
     else:
-        print(f"cluster up in {result.seconds:.1f}s: {summary['server']}, nodes {', '.join(summary['nodes'])}")
+        print(
+            f"cluster up in {result.seconds:.1f}s: {summary['server']}, nodes {', '.join(summary['nodes'])}"
+        )
     print(f"export KUBECONFIG={summary['kubeconfig']}")
     print(f"export PATH={summary['bin_dir']}:$PATH   # kubectl and helm")
     return 0

@@ -180,7 +180,7 @@ class LocalCluster:
             record.processes.remove(process)
             self.state.write_record(record)
             log_text = _log_tail(log_path, 40)
-            if "address already in use" in log_text and attempt < PORT_ATTEMPTS:
+            if "address already in use" in log_text.lower() and attempt < PORT_ATTEMPTS:
                 self._say(f"{name}: a port was taken meanwhile; retrying with new ports")
                 continue
             raise ClusterError(f"{name} {outcome}; last lines of {log_path}:\n{_log_tail(log_path)}")

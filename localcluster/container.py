@@ -66,7 +66,9 @@ class ContainerRun:
             )
         executable = argv[0] if os.sep in argv[0] else shutil.which(argv[0], path=env.get("PATH"))
         if executable is None:
-            raise RunCommandError(f'exec: "{argv[0]}": executable file not found in $PATH ({env.get("PATH")})')
+            raise RunCommandError(
+                f'exec: "{argv[0]}": executable file not found in $PATH ({env.get("PATH")})'
+            )
         if self.log_path.exists():
             self.log_path.replace(self.log_path.with_suffix(".previous.log"))
         with open(self.log_path, "ab") as log:
@@ -131,7 +133,10 @@ class ContainerRun:
         self.restart_count += 1
         self.process = None
         self.terminated = None
-        self.waiting = ("CrashLoopBackOff", f"back-off {self.backoff_s:.0f}s restarting failed container={self.name}")
+        self.waiting = (
+            "CrashLoopBackOff",
+            f"back-off {self.backoff_s:.0f}s restarting failed container={self.name}",
+        )
         self._schedule_backoff()
 
     def _schedule_backoff(self) -> None:

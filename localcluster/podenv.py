@@ -112,7 +112,9 @@ def field_value(ctx: PodContext, field_path: str) -> str:
 
 def resource_value(ctx: PodContext, container: dict, ref: dict) -> str:
     """limits → requests → node capacity, as kubelet falls back to allocatable; divisor ignored."""
-    target = next((c for c in ctx.pod["spec"]["containers"] if c["name"] == ref.get("containerName")), container)
+    target = next(
+        (c for c in ctx.pod["spec"]["containers"] if c["name"] == ref.get("containerName")), container
+    )
     kind, _, resource = ref["resource"].partition(".")
     resources = target.get("resources") or {}
     value = (resources.get(kind) or {}).get(resource) or (resources.get("limits") or {}).get(resource)
@@ -180,7 +182,9 @@ def container_env(ctx: PodContext, container: dict, volume_dirs: dict[str, Path]
         elif "resourceFieldRef" in source:
             env[name] = resource_value(ctx, container, source["resourceFieldRef"])
         else:
-            kind, key = ("secrets", "secretKeyRef") if "secretKeyRef" in source else ("configmaps", "configMapKeyRef")
+            kind, key = (
+                ("secrets", "secretKeyRef") if "secretKeyRef" in source else ("configmaps", "configMapKeyRef")
+            )
             ref = source[key]
             data = _config_data(ctx, kind, ref["name"], ref.get("optional", False))
             if data is None:
@@ -188,7 +192,7 @@ def container_env(ctx: PodContext, container: dict, volume_dirs: dict[str, Path]
             if ref["key"] not in data:
                 if ref.get("optional", False):
                     continue
-                raise ContainerConfigError(f'couldn\'t find key {ref["key"]} in {kind[:-1]} {ref["name"]}')
+                raise ContainerConfigError(f"couldn't find key {ref['key']} in {kind[:-1]} {ref['name']}")
             env[name] = data[ref["key"]].decode(errors="replace")
     return env
 
@@ -270,7 +274,9 @@ def materialize_volumes(ctx: PodContext) -> tuple[dict[str, Path], Path | None]:
         if "configMap" in volume or "secret" in volume:
             kind, key = ("configmaps", "configMap") if "configMap" in volume else ("secrets", "secret")
             ref = volume[key]
-            data = _config_data(ctx, kind, ref.get("name") or ref.get("secretName"), ref.get("optional", False))
+            data = _config_data(
+                ctx, kind, ref.get("name") or ref.get("secretName"), ref.get("optional", False)
+            )
             if data is not None:
                 _write_items(folder, data, ref.get("items"))
         elif "projected" in volume:
@@ -292,7 +298,9 @@ def mount_map(container: dict, volume_dirs: dict[str, Path]) -> list[tuple[str, 
     for mount in container.get("volumeMounts") or []:
         host = volume_dirs.get(mount["name"])
         if host is None:
-            raise ContainerConfigError(f'volumeMount {mount["mountPath"]} names unknown volume {mount["name"]}')
+            raise ContainerConfigError(
+                f"volumeMount {mount['mountPath']} names unknown volume {mount['name']}"
+            )
         if mount.get("subPath"):
             host = host / mount["subPath"]
         mounts.append((mount["mountPath"].rstrip("/") or "/", str(host)))

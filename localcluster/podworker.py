@@ -48,7 +48,8 @@ class PodWorker(threading.Thread):
         self.stop_requested = threading.Event()  # kubelet shutdown
         spec = pod["spec"]
         self.init_runs = [
-            ContainerRun(c, self.folder / f"{c['name']}.log", init=True) for c in spec.get("initContainers") or []
+            ContainerRun(c, self.folder / f"{c['name']}.log", init=True)
+            for c in spec.get("initContainers") or []
         ]
         self.runs = [ContainerRun(c, self.folder / f"{c['name']}.log") for c in spec["containers"]]
         self.restart_policy = spec.get("restartPolicy", "Always")
@@ -166,11 +167,24 @@ class PodWorker(threading.Thread):
             env = container_env(self._context(pod), run.spec, self.volume_dirs, self.kubeconfig)
             mounts = mount_map(run.spec, self.volume_dirs)
             env = {k: rewrite_paths(v, mounts) for k, v in env.items()}
-            argv = [rewrite_paths(expand(a, env), mounts) for a in (run.spec.get("command") or []) + (run.spec.get("args") or [])]
-            cwd = Path(rewrite_paths(run.spec["workingDir"], mounts)) if run.spec.get("workingDir") else self.folder
+            argv = [
+                rewrite_paths(expand(a, env), mounts)
+                for a in (run.spec.get("command") or []) + (run.spec.get("args") or [])
+            ]
+            cwd = (
+                Path(rewrite_paths(run.spec["workingDir"], mounts))
+                if run.spec.get("workingDir")
+                else self.folder
+            )
             run.start(argv, env, cwd)
             self.kubelet.track_pid(run.process)
-            log.info("pod %s container %s: started pid %d on %s", pod_key(pod), run.name, run.process.pid, self.pod_ip)
+            log.info(
+                "pod %s container %s: started pid %d on %s",
+                pod_key(pod),
+                run.name,
+                run.process.pid,
+                self.pod_ip,
+            )
         except (ContainerConfigError, ApiError) as exc:
             run.fail_to_start("CreateContainerConfigError", str(exc))
         except RunCommandError as exc:
@@ -232,7 +246,9 @@ class PodWorker(threading.Thread):
         return condition
 
     def _status(self, pod: dict) -> dict:
-        scheduled = [c for c in (pod.get("status") or {}).get("conditions") or [] if c["type"] == "PodScheduled"]
+        scheduled = [
+            c for c in (pod.get("status") or {}).get("conditions") or [] if c["type"] == "PodScheduled"
+        ]
         ready = self.init_done and all(r.ready for r in self.runs) and self.phase == "Running"
         conditions = scheduled + [
             self._condition("PodReadyToStartContainers", self.volume_dirs is not None),

@@ -104,7 +104,11 @@ class ClusterHandle:
 
     def pod_log(self, namespace: str, pod: str, container: str) -> str:
         folders = sorted(self.cluster.state.pods.glob(f"{namespace}_{pod}_*"))
-        return "".join((f / f"{container}.log").read_text(errors="replace") for f in folders if (f / f"{container}.log").exists())
+        return "".join(
+            (f / f"{container}.log").read_text(errors="replace")
+            for f in folders
+            if (f / f"{container}.log").exists()
+        )
 
     def down(self) -> list[str]:
         """Stops everything; returns a description of each process left behind (should be none)."""
@@ -128,7 +132,10 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
         except Exception as exc:  # a transient API error counts as "not yet"
             last_error = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
+    raise AssertionError(
+        f"timed out after {timeout:.0f}s waiting for {what}"
+        + (f" (last error: {last_error})" if last_error else "")
+    )
 
 
 REUSE_ENV = "KVPILOT_TEST_CLUSTER_DIR"

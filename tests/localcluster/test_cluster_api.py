@@ -66,9 +66,14 @@ def test_nodes_show_gpu_capacity_and_stay_ready(local_cluster):
 
 def test_crd_cel_rule_rejects_invalid_object_with_its_message(local_cluster):
     local_cluster.kubectl("apply", "-f", "-", input=CRD)
-    local_cluster.kubectl("wait", "--for=condition=Established", "crd/widgets.test.kvpilot.io", "--timeout=30s")
+    local_cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/widgets.test.kvpilot.io", "--timeout=30s"
+    )
     try:
-        good = "apiVersion: test.kvpilot.io/v1\nkind: Widget\nmetadata: {name: ok}\nspec: {minReplicas: 1, maxReplicas: 2}\n"
+        good = (
+            "apiVersion: test.kvpilot.io/v1\nkind: Widget\nmetadata: {name: ok}\n"
+            "spec: {minReplicas: 1, maxReplicas: 2}\n"
+        )
         local_cluster.kubectl("apply", "-f", "-", input=good)
         bad = good.replace("name: ok", "name: bad").replace("minReplicas: 1", "minReplicas: 3")
         result = local_cluster.kubectl("apply", "-f", "-", input=bad, check=False)
@@ -101,7 +106,11 @@ def test_pod_asking_for_too_many_gpus_stays_pending_with_the_schedulers_reason(l
         def unschedulable():
             status = _json(local_cluster.kubectl("get", "pod", name, "-o", "json"))["status"]
             return next(
-                (c for c in status.get("conditions", []) if c["type"] == "PodScheduled" and c["status"] == "False"),
+                (
+                    c
+                    for c in status.get("conditions", [])
+                    if c["type"] == "PodScheduled" and c["status"] == "False"
+                ),
                 None,
             )
 

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -28,9 +29,21 @@ def _cli(state_dir, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_up_twice_status_crash_and_down_leaves_no_process(tmp_path):
-    cluster = LocalCluster(tmp_path / "state", log=io.StringIO())
-    result = cluster.up()
+def test_up_twice_status_crash_and_down_leaves_no_process(tmp_path, monkeypatch):
+    # The first port handed out (etcd's) is taken by the time etcd binds it: `up` must retry.
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    ports = iter([taken])
+    real_free_port = processes.free_port
+    monkeypatch.setattr(processes, "free_port", lambda: next(ports, None) or real_free_port())
+    log = io.StringIO()
+    cluster = LocalCluster(tmp_path / "state", log=log)
+    with squatter:
+        result = cluster.up()
+    assert "a port was taken meanwhile; retrying" in log.getvalue()
+    assert taken not in result.record.ports.values()
     handle = ClusterHandle(cluster, result.record, result.seconds)
     try:
         print(f"up in {result.seconds:.1f}s")

@@ -25,7 +25,9 @@ def _pod(local_cluster, name: str) -> dict:
 
 
 def _apply(local_cluster, *objects: dict) -> None:
-    local_cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}))
+    local_cluster.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)})
+    )
 
 
 def _cmdline(pid: int) -> str:
@@ -89,7 +91,11 @@ def test_gpu_deployment_runs_processes_on_pod_ips_behind_a_service(local_cluster
         # The API server refuses loopback addresses in EndpointSlices, so a Service gets no
         # endpoints here; what holds is that its selector picks exactly these pods, by pod IP.
         selector = _json(local_cluster.kubectl("get", "service", name, "-o", "json"))["spec"]["selector"]
-        selected = _json(local_cluster.kubectl("get", "pods", "-l", ",".join(f"{k}={v}" for k, v in selector.items()), "-o", "json"))
+        selected = _json(
+            local_cluster.kubectl(
+                "get", "pods", "-l", ",".join(f"{k}={v}" for k, v in selector.items()), "-o", "json"
+            )
+        )
         assert sorted(p["status"]["podIP"] for p in selected["items"]) == ips
 
         starts = {pid: start for pid, start in local_cluster.pod_pids() if pid in serving}
@@ -100,7 +106,9 @@ def test_gpu_deployment_runs_processes_on_pod_ips_behind_a_service(local_cluster
             "the pods' processes to stop",
         )
         wait_until(
-            lambda: not _json(local_cluster.kubectl("get", "pods", "-l", f"app={name}", "-o", "json"))["items"],
+            lambda: (
+                not _json(local_cluster.kubectl("get", "pods", "-l", f"app={name}", "-o", "json"))["items"]
+            ),
             30,
             "the pods to be removed",
         )
@@ -110,8 +118,18 @@ def test_gpu_deployment_runs_processes_on_pod_ips_behind_a_service(local_cluster
 
 def test_env_from_configmap_secret_and_fieldref_and_kubectl_logs(local_cluster):
     name = f"envtest-{uuid.uuid4().hex[:6]}"
-    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"greeting": "hello"}}
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "stringData": {"token": "s3cret"}}
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name},
+        "data": {"greeting": "hello"},
+    }
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name},
+        "stringData": {"token": "s3cret"},
+    }
     script = (
         "import os, pathlib;"
         "print('GREETING', os.environ['GREETING']);"
@@ -134,7 +152,10 @@ def test_env_from_configmap_secret_and_fieldref_and_kubectl_logs(local_cluster):
                     "command": ["python", "-c", script],
                     "volumeMounts": [{"name": "config", "mountPath": "/etc/config"}],
                     "env": [
-                        {"name": "GREETING", "valueFrom": {"configMapKeyRef": {"name": name, "key": "greeting"}}},
+                        {
+                            "name": "GREETING",
+                            "valueFrom": {"configMapKeyRef": {"name": name, "key": "greeting"}},
+                        },
                         {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": "token"}}},
                         {"name": "MY_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                         {"name": "ARG", "value": "$(GREETING)-world:/etc/config"},
@@ -145,7 +166,9 @@ def test_env_from_configmap_secret_and_fieldref_and_kubectl_logs(local_cluster):
     }
     _apply(local_cluster, configmap, secret, pod)
     try:
-        wait_until(lambda: _pod(local_cluster, name)["status"].get("phase") == "Succeeded", 30, "the pod to succeed")
+        wait_until(
+            lambda: _pod(local_cluster, name)["status"].get("phase") == "Succeeded", 30, "the pod to succeed"
+        )
         logs = local_cluster.kubectl("logs", name).stdout
         assert "GREETING hello" in logs
         assert "TOKEN s3cret" in logs
@@ -168,7 +191,13 @@ def test_exits_restart_under_always_and_end_the_pod_otherwise(local_cluster):
             "metadata": {"name": name},
             "spec": {
                 "restartPolicy": policy,
-                "containers": [{"name": "main", "image": "ignored", "command": [sys.executable, "-c", f"raise SystemExit({code})"]}],
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "ignored",
+                        "command": [sys.executable, "-c", f"raise SystemExit({code})"],
+                    }
+                ],
             },
         }
 
@@ -183,7 +212,9 @@ def test_exits_restart_under_always_and_end_the_pod_otherwise(local_cluster):
         status = wait_until(restarted, 30, "two restarts of the crashing container")
         assert status["lastState"]["terminated"]["exitCode"] == 3
         assert _pod(local_cluster, crashing)["status"]["phase"] == "Running"
-        wait_until(lambda: _pod(local_cluster, failing)["status"].get("phase") == "Failed", 30, "the pod to fail")
+        wait_until(
+            lambda: _pod(local_cluster, failing)["status"].get("phase") == "Failed", 30, "the pod to fail"
+        )
         terminated = _pod(local_cluster, failing)["status"]["containerStatuses"][0]["state"]["terminated"]
         assert terminated["exitCode"] == 1 and terminated["reason"] == "Error"
     finally:

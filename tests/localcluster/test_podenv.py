@@ -25,8 +25,12 @@ def test_expand_follows_kubernetes_rules():
 
 def test_rewrite_maps_mount_paths_at_start_or_after_equals():
     mounts = mount_map(
-        {"volumeMounts": [{"name": "models", "mountPath": "/models"},
-                          {"name": "cfg", "mountPath": "/models/cfg/"}]},
+        {
+            "volumeMounts": [
+                {"name": "models", "mountPath": "/models"},
+                {"name": "cfg", "mountPath": "/models/cfg/"},
+            ]
+        },
         {"models": Path("/host/pvc"), "cfg": Path("/host/cfg")},
     )
     assert mounts[0][0] == "/models/cfg"  # longest first: the nested mount wins
@@ -38,8 +42,9 @@ def test_rewrite_maps_mount_paths_at_start_or_after_equals():
 
 
 def test_subpath_and_unknown_volume():
-    mounts = mount_map({"volumeMounts": [{"name": "v", "mountPath": "/data", "subPath": "a/b"}]},
-                       {"v": Path("/host/v")})
+    mounts = mount_map(
+        {"volumeMounts": [{"name": "v", "mountPath": "/data", "subPath": "a/b"}]}, {"v": Path("/host/v")}
+    )
     assert mounts == [("/data", "/host/v/a/b")]
     with pytest.raises(ContainerConfigError, match="unknown volume nope"):
         mount_map({"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}, {})

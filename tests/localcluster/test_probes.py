@@ -34,7 +34,9 @@ def test_http_tcp_and_exec_probes(server):
     assert run_probe({"tcpSocket": {"port": server}}, container, "127.0.0.1", {})[0]
     assert not run_probe({"tcpSocket": {"port": 1}}, container, "127.0.0.1", {})[0]
     assert run_probe({"exec": {"command": ["true"]}}, container, "127.0.0.1", {"PATH": "/usr/bin:/bin"})[0]
-    assert not run_probe({"exec": {"command": ["false"]}}, container, "127.0.0.1", {"PATH": "/usr/bin:/bin"})[0]
+    assert not run_probe({"exec": {"command": ["false"]}}, container, "127.0.0.1", {"PATH": "/usr/bin:/bin"})[
+        0
+    ]
 
 
 def test_named_port_must_be_declared():

@@ -10,7 +10,9 @@ from kvpilot.localcluster import processes
 
 def test_spawn_stop_and_recycled_pid_guard(tmp_path):
     log = tmp_path / "sleep.log"
-    pid, start = processes.spawn([sys.executable, "-c", "import time; print('hi', flush=True); time.sleep(60)"], log)
+    pid, start = processes.spawn(
+        [sys.executable, "-c", "import time; print('hi', flush=True); time.sleep(60)"], log
+    )
     _wait_for(log, "hi")
     assert processes.is_alive(pid, start)
     assert not processes.is_alive(pid, start + 1)  # same pid, other start time: not ours
@@ -28,7 +30,10 @@ def _wait_for(log, text):
 
 
 def test_stop_kills_a_process_that_ignores_sigterm(tmp_path):
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+        "print('ready', flush=True); time.sleep(60)"
+    )
     log = tmp_path / "stubborn.log"
     pid, start = processes.spawn([sys.executable, "-c", code], log)
     _wait_for(log, "ready")
