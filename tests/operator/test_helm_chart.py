@@ -13,6 +13,8 @@ import yaml
 from kvpilot.operator import crd
 
 CHART = crd.REPO_ROOT / "charts" / "kvpilot"
+# `helm template` renders for a pretend cluster; the chart requires a recent one.
+KUBE_VERSION = ("--kube-version", "1.37.2")
 
 
 def _helm() -> str:
@@ -75,7 +77,7 @@ def test_helm_lint_is_clean():
 
 
 def _render(*sets: str) -> list[dict]:
-    result = subprocess.run([_helm(), "template", "kv", str(CHART), "--namespace", "kvpilot-system", *sets],
+    result = subprocess.run([_helm(), "template", "kv", str(CHART), "--namespace", "kvpilot-system", *KUBE_VERSION, *sets],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
@@ -112,6 +114,6 @@ def test_rbac_grants_no_wildcards_and_no_secret_reads_beyond_get():
 
 
 def test_bad_scope_fails_with_a_message():
-    result = subprocess.run([_helm(), "template", "kv", str(CHART), "--set", "rbac.scope=everything"],
+    result = subprocess.run([_helm(), "template", "kv", str(CHART), *KUBE_VERSION, "--set", "rbac.scope=everything"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "rbac.scope must be cluster or namespaced" in result.stderr
