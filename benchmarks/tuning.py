@@ -65,12 +65,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: generated small preset)")
     parser.add_argument("--grid", type=int, nargs="+", default=list(GRID), help="max_num_seqs settings to sweep")
     parser.add_argument("--slo-ms", type=float, default=None, help="ITL P99 SLO (default: see above)")
-    parser.add_argument("--rate", type=float, default=12.0, help="Poisson arrivals per second")
-    parser.add_argument("--max-in-flight", type=int, default=160)
+    parser.add_argument("--rate", type=float, default=3.0, help="Poisson arrivals per second")
+    parser.add_argument("--max-in-flight", type=int, default=200)
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds after a sweep change before measuring")
     parser.add_argument("--measure", type=float, default=20.0, help="seconds measured per sweep setting")
-    parser.add_argument("--interval", type=float, default=10.0, help="tuning interval, seconds")
-    parser.add_argument("--intervals", type=int, default=14, help="tuning intervals per closed-loop run")
+    parser.add_argument("--interval", type=float, default=15.0, help="tuning interval, seconds")
+    parser.add_argument("--intervals", type=int, default=12, help="tuning intervals per closed-loop run")
     parser.add_argument("--dtype", default="float32", help="engine dtype (float32 is fastest on most CPUs)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--engine-threads", type=int, default=None, help="OMP_NUM_THREADS for the engine")
@@ -439,7 +439,7 @@ def plot_run(trace: list[Interval], oracle: Interval, slo: float, title: str, pa
     axes[1].axhline(slo * 1000, color="red", linestyle="--", label="SLO")
     axes[1].set_ylabel("ITL P99 (ms)")
     axes[1].legend(loc="upper right")
-    axes[2].step(t, [p.max_num_seqs for p in trace], where="post", marker="o", color="tab:purple")
+    axes[2].step(t, [p.max_num_seqs for p in trace], where="pre", marker="o", color="tab:purple")
     axes[2].axhline(oracle.max_num_seqs, color="green", linestyle="--", label="oracle setting")
     axes[2].set_ylabel("max_num_seqs")
     axes[2].set_xlabel("seconds (one point per tuning interval)")
@@ -500,6 +500,7 @@ def main() -> int:
     model = model_path(args)
     port = args.port or free_port()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below
+    load_before = os.getloadavg()[0]
     server = EngineServer(model, port, args.grid[0], args.grid[-1], args.dtype, args.max_num_batched_tokens,
                           args.engine_threads)
     load = None
@@ -532,6 +533,8 @@ def main() -> int:
         server.stop()
 
     print("\nresults")
+    print(f"  machine: {os.cpu_count()} CPUs, load average at start {load_before:.1f}, at end {os.getloadavg()[0]:.1f} "
+          "(other processes compete for the cores: expect noise)")
     print(f"  SLO ITL P99 {slo * 1000:.1f} ms, oracle {oracle.tokens_per_second:.1f} tok/s at max_num_seqs "
           f"{oracle.max_num_seqs}, tuning interval {args.interval:g} s")
     for r in reports:

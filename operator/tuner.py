@@ -316,7 +316,9 @@ def tune(
     if itl_now > slo_itl:
         if itl_now <= slo_itl * (1 + config.margin) and len(current) < 2:
             return decide(params, f"{where} is marginally over {slo_text}: confirming over one more window")
-        target = fit.batch_for(target_itl) if fit else batch_now * target_itl / itl_now
+        # Trust the fit only where it agrees that the current batch is too large.
+        fitted = fit.batch_for(target_itl) if fit else None
+        target = fitted if fitted is not None and fitted < batch_now else batch_now * target_itl / itl_now
         floor = max(m * config.max_backoff, good if good is not None and good < m else 0)
         new = bounds.clamp_seqs(min(max(target, floor), m - 1))
         if new >= m:
