@@ -166,7 +166,10 @@ class PodWorker(threading.Thread):
         try:
             env = container_env(self._context(pod), run.spec, self.volume_dirs, self.kubeconfig)
             mounts = mount_map(run.spec, self.volume_dirs)
-            env = {k: rewrite_paths(v, mounts) for k, v in env.items()}
+            # Values the kubelet itself set (KUBECONFIG, KVPILOT_VOLUME_*) are host paths already;
+            # rewriting them would break any that lie under a mountPath such as /tmp.
+            host_paths = {str(self.kubeconfig)} | {str(d) for d in self.volume_dirs.values()}
+            env = {k: v if v in host_paths else rewrite_paths(v, mounts) for k, v in env.items()}
             argv = [
                 rewrite_paths(expand(a, env), mounts)
                 for a in (run.spec.get("command") or []) + (run.spec.get("args") or [])
