@@ -265,6 +265,8 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec, stat
         ],
         "terminationGracePeriodSeconds": settings.termination_grace_seconds,
         "enableServiceLinks": False,
+        # The engine never calls the Kubernetes API: no token in its pods.
+        "automountServiceAccountToken": False,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,

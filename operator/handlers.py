@@ -52,6 +52,7 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, log_level: str) -> None
     kopf_settings.posting.level = logging.INFO
     kopf_settings.execution.max_workers = 8
     logging.getLogger().setLevel(log_level)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per liveness probe otherwise
 
 
 def post_outcome(body: Any, outcome: reconcile.Outcome) -> None:

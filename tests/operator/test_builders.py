@@ -200,3 +200,8 @@ def test_admin_secret_holds_the_token_and_rejects_weak_ones():
 
 def test_builders_are_deterministic():
     assert _children({"model": {"uri": "hf://a/b"}, "replicas": 2}) == _children({"model": {"uri": "hf://a/b"}, "replicas": 2})
+
+
+def test_engine_pods_get_no_api_token():
+    pod = _children({"model": {"uri": "pvc://m"}}).deployment["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
