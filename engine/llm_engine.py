@@ -2,8 +2,8 @@
 
 One step = one scheduler iteration + one forward over the mixed batch + the
 sampler + stop checks. A request with ``n > 1`` fans out into ``n`` sequences
-(sharing the prompt's KV through the prefix cache); their outputs come back
-together in one RequestOutput. The engine is not thread-safe: one thread
+(which share the prompt's KV blocks when prefix caching is on); their outputs
+come back together in one RequestOutput. The engine is not thread-safe: one thread
 drives it (the server serialises add/abort through its own loop).
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.engine.attention import get_attention_backend
 from kvpilot.engine.config import (
     ConfigError,
     EngineConfig,
@@ -143,14 +144,7 @@ class LLMEngine:
         arch = read_model_arch(config.model)
         device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, config.model, device)
-        max_model_len = resolve_max_model_len(config, arch.max_position_embeddings)
-        if arch.sliding_window is not None and max_model_len > arch.sliding_window:
-            if config.max_model_len is not None:
-                raise ConfigError(
-                    f"max_model_len ({max_model_len}) exceeds the model's sliding window ({arch.sliding_window}); "
-                    "sliding-window attention is not supported, so lower max_model_len to at most the window"
-                )
-            max_model_len = arch.sliding_window
+        max_model_len = _resolve_max_model_len(config, arch)
         max_num_batched_tokens = resolve_max_num_batched_tokens(config, max_model_len)
         backend_name = config.attention_backend
         if backend_name == "auto":
@@ -158,9 +152,9 @@ class LLMEngine:
 
         torch.manual_seed(config.seed)
         model = load_model(config.model, _TORCH_DTYPES[dtype], torch.device(device))
+        if device == "cpu":
+            model.pack_weights_for_cpu(batch_size_hint=config.max_num_seqs)
         tokenizer = load_tokenizer(config.model)
-        from kvpilot.engine.attention import get_attention_backend
-
         runner = ModelRunner(
             model,
             device=torch.device(device),
@@ -175,14 +169,7 @@ class LLMEngine:
             head_dim=arch.head_dim,
             dtype_bytes=_TORCH_DTYPES[dtype].itemsize,
         )
-        if config.kv_cache_memory is not None:
-            budget, source = config.kv_cache_memory, "kv_cache_memory"
-        elif device == "cpu":
-            budget = default_cpu_kv_cache_memory(config, max_model_len, block_bytes)
-            source = "kv_cache_memory (default)"
-        else:
-            budget = _profile_kv_budget(runner, config, max_num_batched_tokens)
-            source = "gpu_memory_utilization"
+        budget, source = _kv_cache_budget(config, runner, device, max_model_len, max_num_batched_tokens, block_bytes)
         num_blocks = blocks_from_budget(
             budget_bytes=budget,
             block_bytes=block_bytes,
@@ -234,7 +221,9 @@ class LLMEngine:
         for index in range(params.n):
             generator = None
             if params.seed is not None:
-                generator = torch.Generator(device=self._device).manual_seed(params.seed + index)
+                # Each of the n sequences draws its own stream; the mask keeps the seed in the 64-bit range.
+                seed = (params.seed + index) & 0xFFFF_FFFF_FFFF_FFFF
+                generator = torch.Generator(device=self._device).manual_seed(seed)
             sequence_id = f"{request_id}#{index}@{next(self._sequence_ids)}"
             request = Request(sequence_id, prompt_token_ids, params, arrival)
             request.sampling_input = SamplingInput(
@@ -445,6 +434,34 @@ class LLMEngine:
                 )
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise InvalidRequestError(f"logprobs: at most the vocabulary size ({vocab_size}), got {params.logprobs}")
+
+
+def _resolve_max_model_len(config: EngineConfig, arch: ModelArch) -> int:
+    max_model_len = resolve_max_model_len(config, arch.max_position_embeddings)
+    if arch.sliding_window is not None and max_model_len > arch.sliding_window:
+        if config.max_model_len is not None:
+            raise ConfigError(
+                f"max_model_len ({max_model_len}) exceeds the model's sliding window ({arch.sliding_window}); "
+                "sliding-window attention is not supported, so lower max_model_len to at most the window"
+            )
+        max_model_len = arch.sliding_window
+    return max_model_len
+
+
+def _kv_cache_budget(
+    config: EngineConfig,
+    runner: ModelRunner,
+    device: str,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    block_bytes: int,
+) -> tuple[int, str]:
+    """(bytes for the KV cache, the setting they come from, for error messages)."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory, "kv_cache_memory"
+    if device == "cpu":
+        return default_cpu_kv_cache_memory(config, max_model_len, block_bytes), "kv_cache_memory (default)"
+    return _profile_kv_budget(runner, config, max_num_batched_tokens), "gpu_memory_utilization"
 
 
 def _resolve_device(device: str) -> str:

@@ -23,6 +23,13 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or oneDNN's kernel for a weight that CausalLM.pack_weights_for_cpu prepacked."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -88,20 +95,20 @@ class DecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         residual = hidden
         x = rms_norm(hidden, self.input_layernorm, arch.rms_norm_eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads are adjacent in qkv, so one rotation covers both.
         qk = apply_rope(qk.view(num_tokens, arch.num_heads + arch.num_kv_heads, arch.head_dim), cos, sin)
         q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
         v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
         attn = backend.forward(q, k, v, kv_cache, metadata, arch.attention_scale)  # [num_tokens, heads, head_dim]
-        hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
+        hidden = residual + linear(attn.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
 
         residual = hidden
         x = rms_norm(hidden, self.post_attention_layernorm, arch.rms_norm_eps)
-        gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)  # [num_tokens, 2 * intermediate]
+        gate_up = linear(x, self.gate_up_proj, self.gate_up_bias)  # [num_tokens, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
-        return residual + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        return residual + linear(F.silu(gate) * up, self.down_proj, self.down_bias)
 
 
 class CausalLM(nn.Module):
@@ -144,4 +151,31 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head).float()
+
+    def pack_weights_for_cpu(self, batch_size_hint: int) -> bool:
+        """Reorder the matmul weights into oneDNN's blocked layout once, instead of per call.
+
+        For bfloat16 on CPU this makes decode-sized matmuls markedly faster (the AMX kernels
+        otherwise re-pack the weight on every call). Returns False, changing nothing, for other
+        dtypes and devices or a torch built without oneDNN.
+        """
+        if self.embed_tokens.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return False
+        if not torch.backends.mkldnn.is_available():
+            return False
+
+        def pack(weight: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                packed = pack(getattr(layer, name))
+                delattr(layer, name)  # a Parameter slot cannot hold an opaque oneDNN tensor
+                setattr(layer, name, packed)
+        # A tied LM head gets its own packed copy: the embedding lookup needs the plain table.
+        head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
+        if self.lm_head is not None:
+            delattr(self, "lm_head")
+        self.lm_head = head
+        return True

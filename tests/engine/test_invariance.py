@@ -70,13 +70,18 @@ def test_prefix_caching_with_shared_prefixes(tiny_model_dir, prompts, reference)
     assert tokens == reference
 
 
-def test_forced_preemption_under_a_tiny_kv_budget(tiny_model_dir, prompts, reference):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_forced_preemption_under_a_tiny_kv_budget(tiny_model_dir, prompts, reference, prefix_caching):
     probe = LLM(str(tiny_model_dir), dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN)
     block_bytes = probe.llm_engine.resolved.kv_block_bytes
     del probe
     # Room for barely more than one full-length sequence: eight sequences must take turns.
     tokens, stats = greedy_tokens(
-        tiny_model_dir, prompts, max_num_seqs=8, kv_cache_memory=10 * block_bytes, enable_prefix_caching=False
+        tiny_model_dir,
+        prompts,
+        max_num_seqs=8,
+        kv_cache_memory=10 * block_bytes,
+        enable_prefix_caching=prefix_caching,
     )
     assert stats.num_kv_blocks == 10
     assert stats.preemptions_total > 0

@@ -86,6 +86,28 @@ def test_n_sequences_come_back_in_one_output(llm):
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1  # different seeds per sequence
 
 
+def test_n_sequences_share_the_prompt_through_the_prefix_cache(llm):
+    engine = engine_of(llm)
+    before = engine.stats().prefix_cache_hits_total
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks of 16
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=3, ignore_eos=True)
+    (output,) = llm.generate(prompt, params, use_tqdm=False)
+    assert len(output.outputs) == 4 and output.finished
+    assert engine.stats().prefix_cache_hits_total - before >= 3 * 32
+
+
+def test_logprobs_are_returned_per_token(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    (output,) = llm.generate("log probs", params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert len(completion.logprobs) == 4
+    for token_id, entry in zip(completion.token_ids, completion.logprobs):
+        assert token_id in entry and len(entry) >= 3
+        assert entry[token_id] == max(entry.values())  # greedy takes the most likely token
+    expected = sum(entry[t] for t, entry in zip(completion.token_ids, completion.logprobs))
+    assert completion.cumulative_logprob == pytest.approx(expected)
+
+
 def test_stop_token_ids_and_eos(llm):
     (free,) = llm.generate("stop here", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     tokens = free.outputs[0].token_ids
