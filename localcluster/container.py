@@ -146,25 +146,33 @@ class ContainerRun:
     def can_start(self) -> bool:
         return self.process is None and time.monotonic() >= self.backoff_until
 
-    def probe(self, pod_ip: str) -> str | None:
-        """Runs due probes; returns a reason to kill the container if liveness/startup failed."""
+    def probe(self, pod_ip: str) -> tuple[str | None, list[str]]:
+        """Runs due probes: (a reason to kill the container, if liveness/startup failed;
+        a message per failed attempt, for the pod's events)."""
         now = time.monotonic()
+        failed: list[str] = []
         if self.startup is not None and not self.startup.result:
             if self.startup.due(now):
                 ok, message = run_probe(self.startup.probe, self.spec, pod_ip, self.env)
                 self.startup.record(ok, message, now)
-                if not ok and self.startup.failures >= int(self.startup.probe.get("failureThreshold", 3)):
-                    return f"startup probe failed: {message}"
-            return None
+                if not ok:
+                    failed.append(f"Startup probe failed: {message}")
+                    if self.startup.failures >= int(self.startup.probe.get("failureThreshold", 3)):
+                        return f"startup probe failed: {message}", failed
+            return None, failed
         if self.liveness is not None and self.liveness.due(now):
             ok, message = run_probe(self.liveness.probe, self.spec, pod_ip, self.env)
             self.liveness.record(ok, message, now)
+            if not ok:
+                failed.append(f"Liveness probe failed: {message}")
             if not self.liveness.result:
-                return f"liveness probe failed: {message}"
+                return f"liveness probe failed: {message}", failed
         if self.readiness is not None and self.readiness.due(now):
             ok, message = run_probe(self.readiness.probe, self.spec, pod_ip, self.env)
             self.readiness.record(ok, message, now)
-        return None
+            if not ok:
+                failed.append(f"Readiness probe failed: {message}")
+        return None, failed
 
     def signal(self, signum: int) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpilot.localcluster.api import ApiError
 from kvpilot.localcluster.container import ContainerRun, RunCommandError
+from kvpilot.localcluster.events import PodEvents
 from kvpilot.localcluster.nodes import now_rfc3339
 from kvpilot.localcluster.podenv import (
     ContainerConfigError,
@@ -61,6 +62,7 @@ class PodWorker(threading.Thread):
         self.phase = "Pending"
         self.transitions: dict[str, tuple[str, str]] = {}
         self.last_posted: dict | None = None
+        self.events = PodEvents(kubelet.api)
 
     # Called from the kubelet's watch thread.
     def update(self, pod: dict) -> None:
@@ -149,14 +151,26 @@ class PodWorker(threading.Thread):
                 self._start(pod, run)
             return
         if run.running:
-            kill_reason = run.probe(self.pod_ip)
+            kill_reason, failures = run.probe(self.pod_ip)
+            for message in failures:
+                self.events.emit(pod, run.name, "Warning", "Unhealthy", message)
             if kill_reason is not None:
                 log.info("pod %s container %s: %s; restarting", pod_key(pod), run.name, kill_reason)
+                self.events.emit(
+                    pod,
+                    run.name,
+                    "Normal",
+                    "Killing",
+                    f"Container {run.name} {kill_reason}, will be restarted",
+                )
                 run.stop(self._grace_s(pod), reason="Error")
             else:
                 run.poll()
         if run.terminated is not None and self._restarts(run.terminated["exitCode"]):
             run.prepare_restart()
+            self.events.emit(
+                pod, run.name, "Warning", "BackOff", f"Back-off restarting failed container {run.name}"
+            )
 
     def _restarts(self, exit_code: int) -> bool:
         return self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and exit_code != 0)
@@ -181,6 +195,7 @@ class PodWorker(threading.Thread):
             )
             run.start(argv, env, cwd)
             self.kubelet.track_pid(run.process)
+            self.events.emit(pod, run.name, "Normal", "Started", f"Started container {run.name}")
             log.info(
                 "pod %s container %s: started pid %d on %s",
                 pod_key(pod),
@@ -190,8 +205,10 @@ class PodWorker(threading.Thread):
             )
         except (ContainerConfigError, ApiError) as exc:
             run.fail_to_start("CreateContainerConfigError", str(exc))
+            self.events.emit(pod, run.name, "Warning", "Failed", f"Error: {exc}")
         except RunCommandError as exc:
             run.fail_to_start("RunCommandError", str(exc))
+            self.events.emit(pod, run.name, "Warning", "Failed", f"Error: {exc}")
             log.info("pod %s container %s: %s", pod_key(pod), run.name, exc)
 
     def _main_phase(self) -> str:
@@ -221,6 +238,10 @@ class PodWorker(threading.Thread):
     def _terminate(self, pod: dict) -> None:
         grace = 0.0 if self._gone else self._grace_s(pod)
         log.info("pod %s: stopping containers (grace %.0fs)", pod_key(pod), grace)
+        if not self._gone:
+            for run in self.init_runs + self.runs:
+                if run.running:
+                    self.events.emit(pod, run.name, "Normal", "Killing", f"Stopping container {run.name}")
         self._stop_all(grace)
         if self._gone:
             return

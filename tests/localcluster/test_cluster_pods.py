@@ -30,6 +30,13 @@ def _apply(local_cluster, *objects: dict) -> None:
     )
 
 
+def _event_reasons(local_cluster, pod: str) -> set[str]:
+    events = _json(
+        local_cluster.kubectl("get", "events", "--field-selector", f"involvedObject.name={pod}", "-o", "json")
+    )
+    return {e["reason"] for e in events["items"]}
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
@@ -212,6 +219,7 @@ def test_exits_restart_under_always_and_end_the_pod_otherwise(local_cluster):
         status = wait_until(restarted, 30, "two restarts of the crashing container")
         assert status["lastState"]["terminated"]["exitCode"] == 3
         assert _pod(local_cluster, crashing)["status"]["phase"] == "Running"
+        assert {"Started", "BackOff"} <= _event_reasons(local_cluster, crashing)
         wait_until(
             lambda: _pod(local_cluster, failing)["status"].get("phase") == "Failed", 30, "the pod to fail"
         )
@@ -240,5 +248,6 @@ def test_a_command_that_cannot_run_gets_a_clear_reason(local_cluster):
         state = wait_until(waiting, 30, "the RunCommandError reason")
         assert "kvpilot-no-such-binary" in state["message"] and "not found" in state["message"]
         assert _pod(local_cluster, name)["status"]["phase"] == "Pending"
+        assert "Failed" in _event_reasons(local_cluster, name)
     finally:
         local_cluster.kubectl("delete", "pod", name, "--wait=false")
