@@ -58,6 +58,8 @@ def cache_root() -> Path:
 def pinned_version(module_dir: Path, module: str) -> str:
     """The version go.mod in ``module_dir`` requires for ``module``."""
     text = (module_dir / "go.mod").read_text()
+    if re.search(rf"^module\s+{re.escape(module)}\s*$", text, re.MULTILINE):
+        return "v0.0.0-local"  # the module itself: its source is here, not pinned
     match = re.search(rf"^\s*(?:require\s+)?{re.escape(module)}\s+(v\S+)", text, re.MULTILINE)
     if match is None:
         raise BuildError(f"{module_dir / 'go.mod'} does not require {module}")

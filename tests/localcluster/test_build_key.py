@@ -24,3 +24,17 @@ def test_missing_go_names_the_components(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(build.BuildError, match="Go toolchain is not on PATH.*kube-apiserver"):
         build.build()
+
+
+def test_a_failed_build_names_the_component_and_the_compiler_error(monkeypatch, tmp_path):
+    module = tmp_path / "broken"
+    module.mkdir()
+    (module / "go.mod").write_text("module example.com/broken\n\ngo 1.22\n")
+    (module / "main.go").write_text("package main\n\nfunc main() { notDefined() }\n")
+    monkeypatch.setenv("KVPILOT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("GOFLAGS", "-mod=mod")
+    monkeypatch.setattr(build, "COMPONENTS", (build.Component("broken", module, ".", "example.com/broken"),))
+    monkeypatch.setattr(build, "COMPONENT_NAMES", ("broken",))
+    with pytest.raises(build.BuildError, match=r"(?s)building broken .*failed.*undefined: notDefined"):
+        build.build()
+    assert not list((tmp_path / "cache" / "bin").glob("*/broken"))
