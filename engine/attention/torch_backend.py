@@ -32,7 +32,7 @@ _MIN_GROUP_SIZE = 8
 class _DecodeGroup:
     rows: torch.Tensor  # [n] int64 rows in the flat batch of sequences with q_len == 1
     blocks: torch.Tensor  # [n, num_blocks] int64 block ids covering the group's longest context
-    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool, True = a real key
+    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] additive: 0 = a real key, -inf = padding
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         block_size = kv_cache.shape[2]
-        plan = self._plan_for(metadata, block_size)
+        plan = self._plan_for(metadata, block_size, query.dtype)
         store_kv(key, value, kv_cache, metadata.slot_mapping, plan.store_all_rows)
 
         num_tokens, num_heads, head_dim = query.shape
@@ -112,9 +112,9 @@ class TorchAttentionBackend:
         torch.index_select(kv_cache, 1, blocks.flatten(), out=gathered)
         return gathered.view(2, n, blocks_per_seq * block_size, num_kv_heads, head_dim)
 
-    def _plan_for(self, metadata: AttentionMetadata, block_size: int) -> _StepPlan:
+    def _plan_for(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
         if metadata is not self._plan_metadata:
-            self._plan = _build_plan(metadata, block_size)
+            self._plan = _build_plan(metadata, block_size, dtype)
             self._plan_metadata = metadata
         assert self._plan is not None
         return self._plan
@@ -138,7 +138,7 @@ def store_kv(
     kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value
 
 
-def _build_plan(metadata: AttentionMetadata, block_size: int) -> _StepPlan:
+def _build_plan(metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
     starts = metadata.query_start_loc_cpu
     seq_lens = metadata.seq_lens_cpu
     decode: list[int] = []
@@ -151,7 +151,8 @@ def _build_plan(metadata: AttentionMetadata, block_size: int) -> _StepPlan:
             multi.append((i, starts[i], q_len, seq_len))
 
     groups = tuple(
-        _decode_group(members, metadata, block_size) for members in _split_by_length(decode, seq_lens, block_size)
+        _decode_group(members, metadata, block_size, dtype)
+        for members in _split_by_length(decode, seq_lens, block_size)
     )
     num_tokens = metadata.slot_mapping.shape[0]
     no_padding = num_tokens == starts[-1]
@@ -176,7 +177,9 @@ def _split_by_length(decode: list[int], seq_lens: list[int], block_size: int) ->
     return groups
 
 
-def _decode_group(members: list[int], metadata: AttentionMetadata, block_size: int) -> _DecodeGroup:
+def _decode_group(
+    members: list[int], metadata: AttentionMetadata, block_size: int, dtype: torch.dtype
+) -> _DecodeGroup:
     device = metadata.block_tables.device
     lens = [metadata.seq_lens_cpu[i] for i in members]
     num_blocks = -(-max(lens) // block_size)
@@ -186,14 +189,19 @@ def _decode_group(members: list[int], metadata: AttentionMetadata, block_size: i
     return _DecodeGroup(
         rows=torch.tensor([metadata.query_start_loc_cpu[i] for i in members], dtype=torch.int64, device=device),
         blocks=metadata.block_tables[seqs, :num_blocks].long(),
-        mask=(positions[None, :] < lens_tensor[:, None])[:, None, None, :],
+        mask=_additive((positions[None, :] < lens_tensor[:, None])[:, None, None, :], dtype),
     )
+
+
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean mask -> 0 / -inf in the query dtype: CPU SDPA runs faster with an additive mask."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, -float("inf"))
 
 
 def _attend_decode(
     query: torch.Tensor,  # [n, num_heads, head_dim]
     gathered_kv: torch.Tensor,  # [2, n, padded_len, num_kv_heads, head_dim]
-    mask: torch.Tensor,  # [n, 1, 1, padded_len] bool
+    mask: torch.Tensor,  # [n, 1, 1, padded_len] additive
     group: int,
     scale: float,
 ) -> torch.Tensor:  # [n, num_heads, head_dim]
@@ -223,6 +231,6 @@ def _attend_causal(
     # Query j sits at position seq_len - q_len + j and sees keys up to and including it.
     query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
     mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [q_len, seq_len]
-    mask = mask.repeat(group, 1)  # [group * q_len, seq_len]
+    mask = _additive(mask.repeat(group, 1), q.dtype)  # [group * q_len, seq_len]
     out = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)
     return out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)

@@ -125,7 +125,7 @@ def test_decode_rows_are_split_into_length_groups():
     *_, metadata, _, _, _ = build_case(
         CASES["many_decodes"], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=0
     )
-    plan = _build_plan(metadata, block_size=4)
+    plan = _build_plan(metadata, block_size=4, dtype=torch.float32)
     assert len(plan.decode_groups) > 1
     assert sum(g.rows.numel() for g in plan.decode_groups) == 24
     assert len(plan.multi_token_seqs) == 2
