@@ -1,0 +1,350 @@
+"""The operator end to end, on the local control plane.
+
+The Helm chart is installed for real (namespaced RBAC, into its own namespace), so the
+operator runs as the chart's pod, with the chart's ServiceAccount and nothing more; its
+engines are real `kvpilot serve` processes on a generated tiny model, on the CPU, asking the
+fake nodes for `nvidia.com/gpu`. The tests run in file order and share one InferenceService,
+`tiny`, from examples/local-cpu.yaml: it is created, served from, edited, scaled, survives an
+operator kill, and is deleted last.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from kvpilot.localcluster.testing import wait_until
+from kvpilot.operator import builders, crd
+from kvpilot.operator.kube import Kube
+
+pytestmark = pytest.mark.e2e
+
+NS = "kvpilot-e2e"
+RELEASE = "kv"
+OPERATOR_SELECTOR = "app.kubernetes.io/instance=kv,app.kubernetes.io/component=operator"
+EXAMPLES = crd.REPO_ROOT / "examples"
+INVALID = yaml.safe_load((crd.REPO_ROOT / "tests" / "operator" / "invalid_specs.yaml").read_text())
+ENGINE_READY_S = 240  # a pod's engine process imports torch and loads the model on 2 shared cores
+RESYNC_SECONDS = 5
+OPERATOR_HEALTH_PORT = 18481  # pods share the host's network: keep clear of common ports
+
+
+# --- fixtures and helpers ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(local_cluster):
+    return local_cluster
+
+
+@pytest.fixture(scope="module")
+def kube(cluster) -> Kube:
+    return Kube(cluster.api_client())
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, kube):
+    """The chart, installed with namespaced RBAC; yields once its operator pod runs."""
+    cluster.kubectl("create", "namespace", NS)
+    cluster.helm(
+        "install", RELEASE, str(crd.REPO_ROOT / "charts" / "kvpilot"), "--namespace", NS,
+        "--set", "rbac.scope=namespaced",
+        "--set", "engine.bindPodIP=true",
+        "--set", "engine.shutdownGraceSeconds=2",
+        "--set", "engine.drainSeconds=1",
+        "--set", "engine.startupSeconds=600",
+        "--set", f"resyncSeconds={RESYNC_SECONDS}",
+        "--set", f"healthPort={OPERATOR_HEALTH_PORT}",
+        "--set", f"metricsPort={OPERATOR_HEALTH_PORT + 1}",
+        "--set", "logLevel=DEBUG",
+    )
+    _wait_operator_running(cluster, kube)
+    yield
+    cluster.helm("uninstall", RELEASE, "--namespace", NS, "--wait", check=False)
+    cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+
+
+def _wait_operator_running(cluster, kube) -> dict:
+    def running():
+        pods = [p for p in kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
+                if not p["metadata"].get("deletionTimestamp")]
+        return pods[0] if len(pods) == 1 and _ready(pods[0]) else None
+
+    return _wait(cluster, running, 60, "the operator pod to run")
+
+
+def _ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def _diagnostics(cluster) -> str:
+    """What a failed wait shows: the operator's log tail, the services and pods."""
+    parts = []
+    for pod in Kube(cluster.api_client()).list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR):
+        parts.append(f"--- operator {pod['metadata']['name']} log tail:\n"
+                     + cluster.pod_log(NS, pod["metadata"]["name"], "operator")[-6000:])
+    for what in (("get", "kvis", "-o", "yaml"), ("get", "pods,deploy,pdb", "-o", "wide")):
+        parts.append(cluster.kubectl(*what, "-n", NS, check=False).stdout[-6000:])
+    return "\n".join(parts)
+
+
+def _wait(cluster, predicate, timeout: float, what: str):
+    try:
+        return wait_until(predicate, timeout, what, interval=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_diagnostics(cluster)}") from None
+
+
+def _apply(cluster, manifest: dict) -> None:
+    cluster.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(manifest))
+
+
+def _kvis(kube, name: str) -> dict | None:
+    return kube.get_inference_service(NS, name)
+
+
+def _condition(kvis: dict | None, kind: str) -> dict:
+    conditions = ((kvis or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == kind), {})
+
+
+def _wait_ready(cluster, kube, name: str, replicas: int) -> dict:
+    def ready():
+        kvis = _kvis(kube, name)
+        status = (kvis or {}).get("status") or {}
+        return kvis if (_condition(kvis, "Ready").get("status") == "True"
+                        and status.get("readyReplicas") == replicas
+                        and status.get("observedGeneration") == kvis["metadata"]["generation"]) else None
+
+    return _wait(cluster, ready, ENGINE_READY_S, f"InferenceService {name} Ready with {replicas} replicas")
+
+
+def _engine_pods(kube, name: str) -> list[dict]:
+    pods = kube.list("v1", "Pod", NS, label_selector=builders.selector_string(name))
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _engine_processes(model_dir: Path) -> list[int]:
+    """PIDs of `kvpilot serve` processes of this model (the kubelet runs pods as local processes)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and str(model_dir).encode() in argv:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def tiny_spec(tiny_model_dir) -> dict:
+    manifest = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+    manifest["spec"]["model"]["uri"] = f"file://{Path(tiny_model_dir).resolve()}"
+    return manifest
+
+
+# --- the API server's validation ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", INVALID, ids=[c["case"] for c in INVALID])
+def test_invalid_spec_is_rejected_with_the_cel_message(cluster, operator, case):
+    manifest = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "invalid", "namespace": NS}, "spec": case["spec"]}
+    result = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
+    assert result.returncode != 0
+    assert case["message"] in result.stderr, result.stderr
+
+
+def test_long_name_is_rejected(cluster, operator):
+    manifest = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "x" * 60, "namespace": NS}, "spec": {"model": {"uri": "pvc://m"}}}
+    result = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
+    assert "metadata.name must be at most 52 characters" in result.stderr
+
+
+def test_kubectl_explain_reads_the_field_docs(cluster, operator):
+    explained = cluster.kubectl("explain", "kvis.spec.tuning").stdout
+    assert "Tune engine parameters live against an SLO" in explained
+    assert "Bounds for engine.maxNumSeqs" in explained
+
+
+# --- one service's life ---------------------------------------------------------------------
+
+
+def test_example_becomes_children_and_serves(cluster, kube, operator, tiny_spec):
+    _apply(cluster, tiny_spec)
+    owner = _wait(cluster, lambda: _kvis(kube, "tiny"), 10, "the InferenceService")
+    deployment = _wait(cluster, lambda: kube.get("apps/v1", "Deployment", NS, "tiny"), 30, "the Deployment")
+    for kind, name in (("Service", "tiny"), ("ConfigMap", "tiny-tuning"), ("Secret", "tiny-admin")):
+        child = _wait(cluster, lambda k=kind, n=name: kube.get("v1", k, NS, n), 30, f"{kind} {name}")
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert ref["uid"] == owner["metadata"]["uid"] and ref["controller"] is True
+    assert kube.get("policy/v1", "PodDisruptionBudget", NS, "tiny") is None  # one replica
+
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:2] == ["serve", str(Path(tiny_spec["spec"]["model"]["uri"][len("file://"):]))]
+    assert _flag(container["args"], "--served-model-name") == "tiny"
+    assert _flag(container["args"], "--max-num-seqs") == "16"
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    service = kube.get("v1", "Service", NS, "tiny")
+    assert service["spec"]["ports"][0]["port"] == 8000 and service["spec"]["ports"][0]["name"] == "http"
+    configmap = kube.get("v1", "ConfigMap", NS, "tiny-tuning")
+    assert json.loads(configmap["data"]["tuning.json"]) == {"maxNumSeqs": 16}
+
+    kvis = _wait_ready(cluster, kube, "tiny", 1)
+    status = kvis["status"]
+    assert status["url"] == f"http://tiny.{NS}.svc.cluster.local:8000/v1"
+    assert status["phase"] == "Ready" and status["replicas"] == 1
+    assert status["selector"] == builders.selector_string("tiny")
+    assert status["engine"]["maxNumSeqs"] == 16
+
+    (pod,) = _engine_pods(kube, "tiny")
+    response = httpx.post(f"http://{pod['status']['podIP']}:8000/v1/completions",
+                          json={"model": "tiny", "prompt": "Hello", "max_tokens": 4}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+
+    table = cluster.kubectl("get", "kvis", "-n", NS).stdout
+    header, row = table.splitlines()[0], next(r for r in table.splitlines() if r.startswith("tiny "))
+    assert re.split(r"\s{2,}", header.strip()) == ["NAME", "READY", "REPLICAS", "MAXSEQS", "TOK/S", "ITL P99", "AGE"]
+    assert row.split()[1:4] == ["True", "1", "16"]
+
+    events = cluster.kubectl("get", "events", "-n", NS, "--field-selector",
+                             "involvedObject.kind=InferenceService,involvedObject.name=tiny").stdout
+    assert "Created Deployment tiny" in events
+
+
+def test_editing_the_engine_rolls_the_pods(cluster, kube, operator):
+    (old_pod,) = _engine_pods(kube, "tiny")
+    cluster.kubectl("patch", "kvis", "tiny", "-n", NS, "--type", "merge",
+                    "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 8}}}))
+
+    def rolled():
+        pods = _engine_pods(kube, "tiny")
+        return len(pods) == 1 and pods[0]["metadata"]["uid"] != old_pod["metadata"]["uid"] and _ready(pods[0])
+
+    _wait(cluster, rolled, ENGINE_READY_S, "a new engine pod to replace the old one")
+    kvis = _wait_ready(cluster, kube, "tiny", 1)
+    assert kvis["status"]["engine"]["maxNumSeqs"] == 8
+    (pod,) = _engine_pods(kube, "tiny")
+    assert _flag(pod["spec"]["containers"][0]["args"], "--max-num-seqs") == "8"
+    configmap = kube.get("v1", "ConfigMap", NS, "tiny-tuning")
+    assert json.loads(configmap["data"]["tuning.json"]) == {"maxNumSeqs": 8}
+
+
+def test_kubectl_scale_adds_a_replica_and_a_pdb(cluster, kube, operator):
+    cluster.kubectl("scale", "kvis/tiny", "-n", NS, "--replicas=2")
+    _wait_ready(cluster, kube, "tiny", 2)
+    pdb = _wait(cluster, lambda: kube.get("policy/v1", "PodDisruptionBudget", NS, "tiny"), 30, "the PDB")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    scale = json.loads(cluster.kubectl("get", "--raw", f"/apis/kvpilot.io/v1alpha1/namespaces/{NS}/"
+                                       "inferenceservices/tiny/scale").stdout)
+    assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
+    assert scale["status"]["selector"] == builders.selector_string("tiny")
+
+    cluster.kubectl("scale", "kvis/tiny", "-n", NS, "--replicas=1")
+    _wait(cluster, lambda: kube.get("policy/v1", "PodDisruptionBudget", NS, "tiny") is None, 30, "the PDB to go")
+    _wait_ready(cluster, kube, "tiny", 1)
+
+
+def test_operator_killed_mid_reconcile_converges(cluster, kube, operator):
+    token_before = kube.get("v1", "Secret", NS, "tiny-admin")["data"]["token"]
+    old_operator = _wait_operator_running(cluster, kube)
+    cluster.kubectl("patch", "kvis", "tiny", "-n", NS, "--type", "merge",
+                    "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 12}}}))
+    cluster.kubectl("delete", "pod", old_operator["metadata"]["name"], "-n", NS, "--grace-period=0", "--force")
+
+    new_operator = _wait_operator_running(cluster, kube)
+    assert new_operator["metadata"]["uid"] != old_operator["metadata"]["uid"]
+    kvis = _wait_ready(cluster, kube, "tiny", 1)
+    assert kvis["status"]["engine"]["maxNumSeqs"] == 12
+    (pod,) = _engine_pods(kube, "tiny")
+    assert _flag(pod["spec"]["containers"][0]["args"], "--max-num-seqs") == "12"
+
+    # Converged means still: another resync changes nothing (no new rollout, no new token).
+    deployment = kube.get("apps/v1", "Deployment", NS, "tiny")
+    replica_sets = kube.list("apps/v1", "ReplicaSet", NS, label_selector=builders.selector_string("tiny"))
+    time.sleep(2 * RESYNC_SECONDS + 1)
+    assert kube.get("apps/v1", "Deployment", NS, "tiny")["metadata"]["generation"] == \
+        deployment["metadata"]["generation"]
+    assert len(kube.list("apps/v1", "ReplicaSet", NS, label_selector=builders.selector_string("tiny"))) == \
+        len(replica_sets)
+    assert kube.get("v1", "Secret", NS, "tiny-admin")["data"]["token"] == token_before
+    assert len(kube.list("apps/v1", "Deployment", NS, label_selector=builders.selector_string("tiny"))) == 1
+
+
+def test_too_many_gpus_is_degraded_naming_the_shortage(cluster, kube, operator, tiny_spec):
+    greedy = copy.deepcopy(tiny_spec)
+    greedy["metadata"]["name"] = "greedy"
+    greedy["spec"]["resources"]["gpus"] = 8  # each fake node has 4
+
+    _apply(cluster, greedy)
+
+    def degraded():
+        condition = _condition(_kvis(kube, "greedy"), "Degraded")
+        return condition if condition.get("status") == "True" else None
+
+    condition = _wait(cluster, degraded, 60, "greedy to report Degraded")
+    assert condition["reason"] == "InsufficientGPU"
+    assert "8 free nvidia.com/gpu" in condition["message"] and "Insufficient nvidia.com/gpu" in condition["message"]
+    kvis = _kvis(kube, "greedy")
+    assert kvis["status"]["phase"] == "Degraded" and _condition(kvis, "Ready")["status"] == "False"
+    events = cluster.kubectl("get", "events", "-n", NS, "--field-selector",
+                             "involvedObject.kind=InferenceService,involvedObject.name=greedy").stdout
+    assert "InsufficientGPU" in events
+    cluster.kubectl("delete", "kvis", "greedy", "-n", NS, "--wait=true", "--timeout=60s")
+
+
+def test_full_example_renders_every_field(cluster, kube, operator):
+    full = yaml.safe_load((EXAMPLES / "full.yaml").read_text())
+    # Keep the service still while its children are inspected: no autoscaler or tuner moves it.
+    full["spec"]["autoscaling"]["enabled"] = False
+    full["spec"]["tuning"]["enabled"] = False
+    _apply(cluster, full)
+    deployment = _wait(cluster, lambda: kube.get("apps/v1", "Deployment", NS, "llama3-8b"), 30, "the Deployment")
+    pod_spec = deployment["spec"]["template"]["spec"]
+    container = pod_spec["containers"][0]
+    assert container["image"] == "ghcr.io/kvpilot/kvpilot:0.1.0"
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "cpu": "8", "memory": "48Gi"}
+    args = container["args"]
+    assert _flag(args, "--max-num-batched-tokens") == "8192" and _flag(args, "--dtype") == "bfloat16"
+    assert _flag(args, "--served-model-name") == "llama3" and args[-2:] == ["--max-waiting-requests", "512"]
+    assert pod_spec["nodeSelector"] == full["spec"]["nodeSelector"]
+    assert pod_spec["tolerations"] == full["spec"]["tolerations"]
+    assert pod_spec["affinity"] == full["spec"]["affinity"]
+    volume = next(v for v in pod_spec["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"]["claimName"] == "models"
+    assert _wait(cluster, lambda: kube.get("policy/v1", "PodDisruptionBudget", NS, "llama3-8b"), 30, "the PDB")
+
+    def degraded():
+        condition = _condition(_kvis(kube, "llama3-8b"), "Degraded")
+        return condition if condition.get("status") == "True" else None
+
+    condition = _wait(cluster, degraded, 60, "llama3-8b to report its missing model volume")
+    assert condition["reason"] == "ModelVolumeMissing" and "'models'" in condition["message"]
+    cluster.kubectl("delete", "kvis", "llama3-8b", "-n", NS, "--wait=true", "--timeout=60s")
+
+
+def test_deleting_removes_every_child_and_stops_the_engines(cluster, kube, operator, tiny_model_dir):
+    assert _engine_processes(Path(tiny_model_dir).resolve()), "the engine should be running before the delete"
+    cluster.kubectl("delete", "kvis", "tiny", "-n", NS, "--wait=true", "--timeout=60s")
+    children = (("apps/v1", "Deployment", "tiny"), ("v1", "Service", "tiny"), ("v1", "ConfigMap", "tiny-tuning"),
+                ("v1", "Secret", "tiny-admin"), ("policy/v1", "PodDisruptionBudget", "tiny"))
+    _wait(cluster, lambda: all(kube.get(v, k, NS, n) is None for v, k, n in children), 60, "every child to go")
+    _wait(cluster, lambda: not _engine_pods(kube, "tiny"), 60, "the engine pods to go")
+    _wait(cluster, lambda: not _engine_processes(Path(tiny_model_dir).resolve()), 60, "the engine processes to stop")
