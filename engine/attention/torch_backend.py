@@ -24,7 +24,7 @@ from kvpilot.engine.attention.metadata import AttentionMetadata
 
 # A new decode group starts once contexts have shrunk to this fraction of the group's longest
 # and the group already holds enough sequences to amortise one more gather + attention call.
-_REGROUP_BLOCK_RATIO = 0.6
+_REGROUP_BLOCK_RATIO = 0.75
 _MIN_GROUP_SIZE = 8
 
 
