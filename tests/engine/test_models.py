@@ -142,6 +142,20 @@ def test_half_precision_model_tracks_float32(dtype, tiny_model_dir):
     assert (logits16 - logits32).abs().mean() < 0.05 * logits32.abs().mean()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied LM head
+def test_prepacked_cpu_weights_give_the_same_logits(arch, tiny_model_dirs):
+    prompt = list(range(5, 30))
+    plain = load_model(tiny_model_dirs[arch], torch.bfloat16, "cpu")
+    packed = load_model(tiny_model_dirs[arch], torch.bfloat16, "cpu")
+    if not packed.pack_weights_for_cpu(batch_size_hint=8):
+        pytest.skip("this torch build has no oneDNN")
+    assert not load_model(tiny_model_dirs[arch], torch.float32, "cpu").pack_weights_for_cpu(batch_size_hint=8)
+    expected = PagedBatch(plain, 1).step(plain, [prompt])
+    got = PagedBatch(packed, 1).step(packed, [prompt])
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
 def test_arch_fields(tiny_model_dirs):
     llama = read_model_arch(tiny_model_dirs["llama"])
     assert llama.model_type == "llama" and llama.rope_scaling.rope_type == "llama3"
