@@ -50,6 +50,7 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, log_level: str) -> None
     # later, and no RBAC is needed to watch CRDs or namespaces.
     kopf_settings.scanning.disabled = True
     kopf_settings.posting.level = logging.INFO
+    kopf_settings.posting.reporting_component = "kvpilot-operator"  # the "From" of our Events
     kopf_settings.execution.max_workers = 8
     logging.getLogger().setLevel(log_level)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per liveness probe otherwise
@@ -77,7 +78,8 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
         post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings))
 
     # A daemon rather than a timer: kopf would post a "succeeded" Event for every timer run.
-    @kopf.daemon(*resource, registry=registry, id="resync", cancellation_timeout=1.0)
+    # On deletion it gets a few seconds to finish a reconcile before kopf cancels it.
+    @kopf.daemon(*resource, registry=registry, id="resync", cancellation_backoff=5.0, cancellation_timeout=1.0)
     def resync_service(body: kopf.Body, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
         while not stopped.wait(context.settings.resync_seconds):
             try:
