@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true", help="measure kvpilot only")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar for the kvpilot run")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     args = parser.parse_args()
     if args.quick:
@@ -101,7 +103,7 @@ def run_kvpilot(model: Path, workload: Workload, args: argparse.Namespace) -> di
     engine = llm.llm_engine
     before = engine.stats()
     start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    outputs = llm.generate(workload.prompts, params, use_tqdm=not args.no_progress)
     elapsed = time.perf_counter() - start
     after = engine.stats()
 
@@ -169,6 +171,9 @@ def run_hf_static(model: Path, workload: Workload, batch_size: int) -> dict:
 def main() -> None:
     args = parse_args()
     import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     from kvpilot.engine.models import read_model_arch
 

@@ -176,3 +176,29 @@ def test_duplicate_request_id_is_refused():
     add(scheduler, "a", 3)
     with pytest.raises(ValueError, match="already"):
         add(scheduler, "a", 3)
+
+
+def test_runner_inputs_of_a_mixed_step():
+    import torch
+
+    from kvpilot.engine.model_runner import ModelRunner
+
+    scheduler = make_scheduler(block_size=4, max_num_batched_tokens=9, caching=True)
+    a = add(scheduler, "a", 6, first_token=100)
+    step(scheduler)  # a: 6 prompt tokens computed, one sampled
+    b = add(scheduler, "b", 10, first_token=200)
+    out = scheduler.schedule()  # a decodes 1 token, b prefills a first chunk of 8
+    assert scheduled(out) == {"a": 1, "b": 8}
+    runner = ModelRunner(None, device=torch.device("cpu"), block_size=4, backend=None, sampler=None)
+    inputs = runner.prepare_inputs(out)
+    a_blocks, b_blocks = out.block_ids
+    assert inputs.input_ids.tolist() == [a.all_token_ids[6]] + b.all_token_ids[:8]
+    assert inputs.positions.tolist() == [6] + list(range(8))
+    expected_slots = [a_blocks[1] * 4 + 2] + [b_blocks[p // 4] * 4 + p % 4 for p in range(8)]
+    assert inputs.metadata.slot_mapping.tolist() == expected_slots
+    assert inputs.metadata.query_start_loc_cpu == [0, 1, 9]
+    assert inputs.metadata.seq_lens_cpu == [7, 8]
+    assert inputs.metadata.block_tables.shape == (2, 2)
+    # Only a samples: b's chunk stops short of its prompt's end.
+    assert inputs.sampled_requests == [a] and inputs.logits_indices.tolist() == [0]
+    assert not inputs.is_decode_only
