@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpilot.operator import builders, status, tuning_state
-from kvpilot.operator.kube import Kube
+from kvpilot.operator.kube import Kube, KubeError
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import InferenceServiceSpec, parse_spec
 from kvpilot.operator.tuning_state import TuningState
@@ -67,13 +67,12 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings) -> O
             meta.get("generation"), message, _conditions(body), now_rfc3339()))
         return outcome
 
-    state = read_tuning_state(kube, name, namespace, spec)
-    children = builders.build_children(name, namespace, spec, state, settings)
-
     token = secrets.token_urlsafe(32)
     if kube.create_if_missing(builders.build_admin_secret(name, namespace, token), owner=body):
         outcome.actions.append(f"Created Secret {builders.admin_secret_name(name)} (engine admin token)")
-    for manifest in (children.configmap, children.service, children.deployment):
+    state = _settle_tuning_state(kube, body, spec, outcome)
+    children = builders.build_children(name, namespace, spec, state, settings)
+    for manifest in (children.service, children.deployment):
         _apply(kube, manifest, body, outcome)
     if children.pdb is not None:
         _apply(kube, children.pdb, body, outcome)
@@ -86,9 +85,39 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings) -> O
     return outcome
 
 
+CONFLICT_RETRIES = 3
+
+
+def _settle_tuning_state(kube: Kube, body: dict[str, Any], spec: InferenceServiceSpec,
+                         outcome: Outcome) -> TuningState:
+    """Reads the tuning state and writes the ConfigMap back (seeded or clamped as needed), guarded by
+    its resourceVersion: if the tuner wrote a new state in between, read again rather than undo it."""
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    for attempt in range(CONFLICT_RETRIES):
+        configmap = kube.get("v1", "ConfigMap", namespace, builders.tuning_configmap_name(name))
+        state = tuning_state.resolve(spec, (configmap or {}).get("data"))
+        manifest = builders.build_tuning_configmap(name, namespace, spec, state)
+        if configmap is not None:
+            manifest["metadata"]["resourceVersion"] = configmap["metadata"]["resourceVersion"]
+        try:
+            _apply_over(kube, manifest, body, outcome, configmap)
+            return state
+        except KubeError as exc:
+            if exc.status != 409 or attempt == CONFLICT_RETRIES - 1:
+                raise
+    raise AssertionError("the loop returns or raises")
+
+
 def _apply(kube: Kube, manifest: dict[str, Any], owner: dict[str, Any], outcome: Outcome) -> None:
     meta = manifest["metadata"]
     before = kube.get(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+    _apply_over(kube, manifest, owner, outcome, before)
+
+
+def _apply_over(kube: Kube, manifest: dict[str, Any], owner: dict[str, Any], outcome: Outcome,
+                before: dict[str, Any] | None) -> None:
+    """Applies ``manifest`` over ``before`` (None: absent) and records what changed."""
+    meta = manifest["metadata"]
     after = kube.apply(manifest, owner=owner)
     kind, name = manifest["kind"], meta["name"]
     if before is None:
