@@ -28,6 +28,7 @@ from kvpilot.localcluster.state import StateDir
 log = logging.getLogger("kvpilot.localcluster.kubelet")
 WATCH_TIMEOUT_S = 60
 TERMINAL_PHASES = ("Succeeded", "Failed")
+HOST_IP = "127.0.0.1"
 
 
 class PodIPs:
@@ -116,7 +117,9 @@ class Kubelet:
             if worker is None:
                 if uid in self.finished or (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
                     return
-                worker = PodWorker(self, pod, self.ips.allocate())
+                # A hostNetwork pod shares the node's address, as on a real node.
+                ip = HOST_IP if pod["spec"].get("hostNetwork") else self.ips.allocate()
+                worker = PodWorker(self, pod, ip)
                 self.workers[uid] = worker
                 worker.start()
                 return

@@ -251,3 +251,28 @@ def test_a_command_that_cannot_run_gets_a_clear_reason(local_cluster):
         assert "Failed" in _event_reasons(local_cluster, name)
     finally:
         local_cluster.kubectl("delete", "pod", name, "--wait=false")
+
+
+def test_host_network_pod_gets_the_node_address(local_cluster):
+    name = f"hostnet-{uuid.uuid4().hex[:6]}"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "hostNetwork": True,
+            "restartPolicy": "Never",
+            "containers": [
+                {"name": "main", "image": "ignored", "command": ["sh", "-c", "echo $KVPILOT_POD_IP"]}
+            ],
+        },
+    }
+    _apply(local_cluster, pod)
+    try:
+        wait_until(
+            lambda: _pod(local_cluster, name)["status"].get("phase") == "Succeeded", 30, "the pod to end"
+        )
+        assert _pod(local_cluster, name)["status"]["podIP"] == "127.0.0.1"
+        assert local_cluster.kubectl("logs", name).stdout.strip() == "127.0.0.1"
+    finally:
+        local_cluster.kubectl("delete", "pod", name, "--wait=false")
