@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -276,3 +277,38 @@ def test_host_network_pod_gets_the_node_address(local_cluster):
         assert local_cluster.kubectl("logs", name).stdout.strip() == "127.0.0.1"
     finally:
         local_cluster.kubectl("delete", "pod", name, "--wait=false")
+
+
+def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(local_cluster):
+    name = f"stubborn-{uuid.uuid4().hex[:6]}"
+    script = (
+        "import signal, time; signal.signal(signal.SIGTERM, lambda *_: print('got SIGTERM', flush=True));"
+        f"print('ready', flush=True); time.sleep(600)  # {name}"
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "terminationGracePeriodSeconds": 2,
+            "containers": [{"name": "main", "image": "ignored", "command": [sys.executable, "-c", script]}],
+        },
+    }
+    _apply(local_cluster, pod)
+    try:
+        wait_until(
+            lambda: "ready" in local_cluster.pod_log("default", name, "main"), 30, "the process to start"
+        )
+        ((pid, start),) = [(p, s) for p, s in local_cluster.pod_pids() if name in _cmdline(p)]
+        local_cluster.kubectl("delete", "pod", name, "--wait=false")
+        time.sleep(1.0)
+        assert processes.is_alive(pid, start), "killed before its grace period ran out"
+        wait_until(lambda: not processes.is_alive(pid, start), 15, "SIGKILL after the grace period")
+        assert "got SIGTERM" in local_cluster.pod_log("default", name, "main")
+        wait_until(
+            lambda: local_cluster.kubectl("get", "pod", name, check=False).returncode != 0,
+            15,
+            "the pod's removal",
+        )
+    finally:
+        local_cluster.kubectl("delete", "pod", name, "--ignore-not-found", "--wait=false")
