@@ -312,3 +312,38 @@ def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(local_clust
         )
     finally:
         local_cluster.kubectl("delete", "pod", name, "--ignore-not-found", "--wait=false")
+
+
+def test_failing_liveness_probe_restarts_the_container(local_cluster):
+    name = f"unlive-{uuid.uuid4().hex[:6]}"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "ignored",
+                    "command": ["sleep", "600"],
+                    "livenessProbe": {
+                        "exec": {"command": ["false"]},
+                        "periodSeconds": 1,
+                        "failureThreshold": 2,
+                    },
+                }
+            ],
+        },
+    }
+    _apply(local_cluster, pod)
+    try:
+
+        def restarted():
+            statuses = _pod(local_cluster, name)["status"].get("containerStatuses") or []
+            return statuses and statuses[0]["restartCount"] >= 1
+
+        wait_until(restarted, 30, "a restart after the liveness probe failed")
+        assert {"Unhealthy", "Killing"} <= _event_reasons(local_cluster, name)
+    finally:
+        local_cluster.kubectl("delete", "pod", name, "--wait=false")
