@@ -69,3 +69,17 @@ def test_operator_never_imports_torch_or_the_engine():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_kopf_logs_in_with_the_same_credentials_as_our_client():
+    from kubernetes import client
+
+    from kvpilot.operator.runner import connection_info
+
+    configuration = client.Configuration(host="https://10.0.0.1:6443")
+    configuration.api_key = {"BearerToken": "abc.def"}
+    configuration.api_key_prefix = {"BearerToken": "Bearer"}
+    configuration.ssl_ca_cert = "/pki/ca.crt"
+    info = connection_info(configuration)
+    assert info.server == "https://10.0.0.1:6443" and info.ca_path == "/pki/ca.crt"
+    assert info.scheme == "Bearer" and info.token == "abc.def" and info.insecure is False
