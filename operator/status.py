@@ -27,9 +27,10 @@ MODEL_DOWNLOAD_FAILED = "ModelDownloadFailed"
 CRASH_LOOP = "CrashLoop"
 UNSCHEDULABLE = "Unschedulable"
 VOLUME_MOUNT_FAILED = "VolumeMountFailed"
+ROLLOUT_STUCK = "RolloutStuck"
 REASON_PRIORITY = (
     INVALID_SPEC, INSUFFICIENT_GPU, MODEL_VOLUME_MISSING, IMAGE_PULL_FAILED, CONTAINER_CONFIG_ERROR,
-    MODEL_DOWNLOAD_FAILED, CRASH_LOOP, UNSCHEDULABLE, VOLUME_MOUNT_FAILED,
+    MODEL_DOWNLOAD_FAILED, CRASH_LOOP, UNSCHEDULABLE, VOLUME_MOUNT_FAILED, ROLLOUT_STUCK,
 )
 
 _IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
@@ -144,6 +145,17 @@ def _container_problem(spec: InferenceServiceSpec, pod: str, container: dict[str
     return None
 
 
+def _stuck_rollout(name: str, deployment: dict[str, Any] | None) -> list[Problem]:
+    """The Deployment gave up waiting (progressDeadlineSeconds) for a reason no pod shows."""
+    for condition in ((deployment or {}).get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Progressing" and condition.get("reason") == "ProgressDeadlineExceeded":
+            return [Problem(ROLLOUT_STUCK, "", (
+                f"the rollout of Deployment {name} made no progress: {condition.get('message', '')}. "
+                f"See `kubectl describe deployment {name}` and the engine pods' logs."
+            ))]
+    return []
+
+
 def _condition(kind: ConditionType, ok: bool, reason: str, message: str, generation: int | None,
                previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
     status = "True" if ok else "False"
@@ -181,7 +193,7 @@ def compute_status(
     updated = dep_status.get("updatedReplicas") or 0
     dep_current = deployment is not None and \
         (dep_status.get("observedGeneration") or 0) >= (deployment.get("metadata") or {}).get("generation", 0)
-    problems = diagnose_pods(spec, pods, events)
+    problems = diagnose_pods(spec, pods, events) or _stuck_rollout(name, deployment)
 
     if deployment is None:
         progressing, progress_reason, progress_message = True, "Creating", "creating the engine Deployment"

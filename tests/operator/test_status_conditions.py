@@ -136,3 +136,12 @@ def test_transition_time_kept_while_status_holds():
     assert _cond(again, "Ready")["lastTransitionTime"] == "2025-12-31T00:00:00Z"
     flipped = _compute(_deployment(ready=1), [_pod("a", ready=True), _pod("b")], previous=old)
     assert _cond(flipped, "Ready")["lastTransitionTime"] == NOW
+
+
+def test_rollout_past_its_deadline_is_degraded_even_without_pod_clues():
+    deployment = _deployment(ready=1)
+    deployment["status"]["conditions"] = [{"type": "Progressing", "status": "False",
+                                           "reason": "ProgressDeadlineExceeded",
+                                           "message": 'ReplicaSet "llama-5d" has timed out progressing.'}]
+    degraded = _cond(_compute(deployment, [_pod("a", ready=True), _pod("b", phase="Running")]), "Degraded")
+    assert degraded["reason"] == "RolloutStuck" and "timed out progressing" in degraded["message"]
