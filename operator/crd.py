@@ -67,9 +67,10 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"cannot render a union as a structural schema: {variants}")
         if variants:
             node = {**_structural(variants[0], defs), **node}
-    if node.get("default", ...) is None:
+    if "default" in node and node["default"] is None:
         del node["default"]  # None means "unset": leave the field out rather than default it to null
-    if not isinstance(node.get("exclusiveMinimum", True), bool):  # JSON Schema's number -> OpenAPI's flag
+    if "exclusiveMinimum" in node and not isinstance(node["exclusiveMinimum"], bool):
+        # JSON Schema's bound is a number; OpenAPI v3.0's is a flag on `minimum`.
         node["minimum"] = node.pop("exclusiveMinimum")
         node["exclusiveMinimum"] = True
     preserve = node.get("x-kubernetes-preserve-unknown-fields")
