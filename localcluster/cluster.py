@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import ssl
@@ -131,7 +130,7 @@ class LocalCluster:
                     f"{', '.join(crashed) or 'some components never started'}); "
                     "run `kvpilot local-cluster down` first"
                 )
-            self.state.clear_record()  # every process of a previous run is gone
+            self.down()  # the control plane of a previous run is gone; stray pod processes go too
 
         bin_dir = bin_dir or build.bin_dir()
         missing = build.missing_binaries(bin_dir)
@@ -269,7 +268,3 @@ def read_pod_pids(state: StateDir) -> list[tuple[int, int]]:
     except FileNotFoundError:
         return []
     return [tuple(int(x) for x in line.split(":")) for line in lines]  # type: ignore[misc]
-
-
-def summary_json(cluster: LocalCluster, record: ClusterRecord) -> str:
-    return json.dumps(cluster.summary(record), indent=2)

@@ -22,7 +22,7 @@ from pathlib import Path
 from kvpilot.localcluster import processes
 from kvpilot.localcluster.cluster import LocalCluster, read_pod_pids
 from kvpilot.localcluster.nodes import GPU_RESOURCE, NODE_NAMES
-from kvpilot.localcluster.state import ClusterRecord, ProcessRecord
+from kvpilot.localcluster.state import ClusterRecord
 
 
 @dataclass
@@ -98,9 +98,6 @@ class ClusterHandle:
     def pod_pids(self) -> list[tuple[int, int]]:
         """(pid, start time) of every container process the kubelet runs now."""
         return read_pod_pids(self.cluster.state)
-
-    def control_plane(self) -> list[ProcessRecord]:
-        return list(self.record.processes)
 
     def pod_log(self, namespace: str, pod: str, container: str) -> str:
         folders = sorted(self.cluster.state.pods.glob(f"{namespace}_{pod}_*"))
