@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpilot.localcluster.kubelet")
 TICK_S = 0.25
+SETUP_RETRY_S = 1.0  # a missing ConfigMap or Secret is looked up again after this long
 
 
 def pod_key(pod: dict) -> str:
@@ -58,6 +59,7 @@ class PodWorker(threading.Thread):
         self.volume_dirs: dict[str, Path] | None = None
         self.kubeconfig: Path | None = None
         self.setup_error: str | None = None
+        self.setup_retry_at = 0.0
         self.init_done = not self.init_runs
         self.phase = "Pending"
         self.transitions: dict[str, tuple[str, str]] = {}
@@ -116,11 +118,14 @@ class PodWorker(threading.Thread):
 
     def _step(self, pod: dict) -> None:
         if self.volume_dirs is None:
+            if time.monotonic() < self.setup_retry_at:
+                return
             try:
                 self.volume_dirs, self.kubeconfig = materialize_volumes(self._context(pod))
                 self.setup_error = None
             except (ContainerConfigError, ApiError, OSError) as exc:
                 self.setup_error = str(exc)
+                self.setup_retry_at = time.monotonic() + SETUP_RETRY_S
                 for run in self.init_runs + self.runs:
                     run.waiting = ("CreateContainerConfigError", self.setup_error)
                 return

@@ -347,3 +347,40 @@ def test_failing_liveness_probe_restarts_the_container(local_cluster):
         assert {"Unhealthy", "Killing"} <= _event_reasons(local_cluster, name)
     finally:
         local_cluster.kubectl("delete", "pod", name, "--wait=false")
+
+
+def test_missing_configmap_holds_the_container_until_it_exists(local_cluster):
+    name = f"needscm-{uuid.uuid4().hex[:6]}"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "volumes": [{"name": "settings", "configMap": {"name": name}}],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "ignored",
+                    "command": ["cat", "/etc/settings/mode"],
+                    "volumeMounts": [{"name": "settings", "mountPath": "/etc/settings"}],
+                }
+            ],
+        },
+    }
+    _apply(local_cluster, pod)
+    try:
+
+        def waiting_reason():
+            statuses = _pod(local_cluster, name)["status"].get("containerStatuses") or []
+            return statuses and (statuses[0]["state"].get("waiting") or {}).get("message")
+
+        message = wait_until(waiting_reason, 30, "the container to wait for its ConfigMap")
+        assert f'configmap "{name}" not found' in message
+        local_cluster.kubectl("create", "configmap", name, "--from-literal=mode=fast")
+        wait_until(
+            lambda: _pod(local_cluster, name)["status"].get("phase") == "Succeeded", 30, "the pod to run"
+        )
+        assert local_cluster.kubectl("logs", name).stdout == "fast"
+    finally:
+        local_cluster.kubectl("delete", "pod,configmap", name, "--ignore-not-found", "--wait=false")
