@@ -307,7 +307,7 @@ def tune(
         return decide(params, f"cooling down after the change at {last_seqs_change.time:.0f}: holding")
 
     fit = fit_latency(history.samples, target_itl, config)
-    good, bad, bad_why = _bracket(history.samples[-config.bracket_windows :], config)
+    good, bad, bad_why = _bracket(history.samples[-config.bracket_windows :], m, config)
     kv_cap = _kv_capacity(observation, batch, config)
     where = f"ITL P99 {itl_now * 1e3:.0f} ms at batch {batch_now:.1f}"
     slo_text = f"SLO {slo_itl * 1e3:.0f} ms" if math.isfinite(slo_itl) else "no ITL SLO"
@@ -352,13 +352,15 @@ def tune(
         limit_text = f"; the KV cache holds ~{kv_cap:.0f} seqs at observed lengths"
     if kv_cap is not None:
         limits.append(kv_cap)
-    if bad is not None and bad > m:
+    if bad is not None:
         # Bisect between what works and what recently did not; a tight bracket means done.
         cap = m if bad <= m * (1 + config.tight_bracket) else (m + bad) // 2
         if cap < min(limits):
             limit_text = f"; {bad} {bad_why} recently"
             limits.append(cap)
     new = bounds.clamp_seqs(min(limits))
+    if m == bounds.max_num_seqs:
+        return decide(params, f"{where} meets {slo_text}; max_num_seqs is at its upper bound {m}: holding")
     if new - m < max(1, config.hysteresis * m):
         why = limit_text or f"; the fitted best is within {config.hysteresis:.0%}"
         return decide(params, f"{where} meets {slo_text}{why}: holding")
@@ -385,8 +387,9 @@ def _tail_at_setting(samples: tuple[Sample, ...], seqs: int) -> list[Sample]:
     return list(reversed(tail)) or [samples[-1]]
 
 
-def _bracket(samples: tuple[Sample, ...], config: TunerConfig) -> tuple[int | None, int | None, str]:
-    """The largest setting whose latest window met the SLO, and the smallest not worth having.
+def _bracket(samples: tuple[Sample, ...], current: int, config: TunerConfig) -> tuple[int | None, int | None, str]:
+    """The largest setting whose latest window met the SLO, and the smallest above ``current``
+    not worth having.
 
     A setting is not worth having when its latest window violated the SLO (and
     the batch actually reached it), or when, saturated, it gave less
@@ -398,12 +401,12 @@ def _bracket(samples: tuple[Sample, ...], config: TunerConfig) -> tuple[int | No
             continue
         latest[s.max_num_seqs] = s
     good = max((k for k, s in latest.items() if not s.violated), default=None)
-    violated = min((k for k, s in latest.items() if s.violated), default=None)
+    violated = min((k for k, s in latest.items() if s.violated and k > current), default=None)
     slower = None
     best_below = 0.0
     for k in sorted(latest):
         s = latest[k]
-        if s.saturated and s.tokens_per_second < config.throughput_tolerance * best_below:
+        if k > current and s.saturated and s.tokens_per_second < config.throughput_tolerance * best_below:
             slower = k
             break
         best_below = max(best_below, s.tokens_per_second)
