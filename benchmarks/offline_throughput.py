@@ -7,8 +7,9 @@ requests, left-padded, every sequence decoded to its batch's longest output — 
 the Orca and PagedAttention papers beat. Only each request's own output tokens count as
 useful work on both sides.
 
-    python benchmarks/offline_throughput.py            # the full workload (minutes on 2 cores)
-    python benchmarks/offline_throughput.py --quick    # a smoke run
+    python benchmarks/offline_throughput.py              # the full workload (minutes on 2 cores)
+    python benchmarks/offline_throughput.py --quick      # a smoke run
+    python benchmarks/offline_throughput.py --threads 1  # both sides on one thread (a shared, busy machine)
 
 Prints tokens/s of each side, the ratio, kvpilot's time-averaged KV utilization (tokens
 stored / slots in held blocks) and the share of its step time spent outside the model
