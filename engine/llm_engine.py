@@ -83,7 +83,6 @@ class _RequestState:
     metrics: RequestMetrics
     num_unfinished: int
     sequences: list[_Sequence] = field(default_factory=list)
-    counted_prompt: bool = False
 
 
 @dataclass
