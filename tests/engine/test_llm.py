@@ -239,3 +239,24 @@ def test_kv_budget_too_small_says_what_is_needed(tiny_model_dir):
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nope"), device="cpu")
+
+
+def test_derived_limits_are_resolved_once_from_the_config():
+    from kvpilot.engine.config import (
+        blocks_from_budget,
+        resolve_max_model_len,
+        resolve_max_num_batched_tokens,
+    )
+
+    chunked = EngineConfig(model="m", max_num_seqs=8)
+    assert resolve_max_model_len(chunked, 4096) == 4096
+    assert resolve_max_num_batched_tokens(chunked, 4096) == 2048
+    whole = EngineConfig(model="m", max_num_seqs=8, enable_chunked_prefill=False)
+    assert resolve_max_num_batched_tokens(whole, 4096) == 4096  # a whole prompt must fit one step
+    with pytest.raises(ConfigError, match="chunked prefill disabled"):
+        resolve_max_num_batched_tokens(
+            EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=512, enable_chunked_prefill=False), 4096
+        )
+    assert blocks_from_budget(budget_bytes=10_000, block_bytes=1000, block_size=16, max_model_len=100, source="x") == 10
+    with pytest.raises(ConfigError, match=r"needs 7 blocks \(0.0 MiB\): raise x or lower max_model_len"):
+        blocks_from_budget(budget_bytes=5_000, block_bytes=1000, block_size=16, max_model_len=100, source="x")
