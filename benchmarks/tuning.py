@@ -52,6 +52,7 @@ import aiohttp
 from kvpilot.operator import tuner
 from kvpilot.operator.autoscaler import ReplicaState, ScalingHistory, ScalingPolicy, autoscale
 from kvpilot.operator.metrics import MetricsCollector, Observation
+from kvpilot.operator.tuning import settle_seconds
 
 MODEL_CACHE = Path.home() / ".cache" / "kvpilot" / "models"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -318,14 +319,13 @@ async def closed_loop(url: str, start: int, slo: float, bounds: tuner.Bounds, in
     params = tuner.EngineParams(max_num_seqs=start, gpu_memory_utilization=0.9)
     history = tuner.TuningHistory()
     trace = []
-    began = time.time()
     async with aiohttp.ClientSession() as session:
         await set_max_num_seqs(session, url, start)
         await settle(session, url, start)
         began = time.time()
         await collector.collect({"engine": f"{url}/metrics"})
+        await asyncio.sleep(interval)
         for _ in range(intervals):
-            await asyncio.sleep(interval)
             obs = (await collector.collect({"engine": f"{url}/metrics"})).service
             now = time.time()
             decision = tuner.tune(obs, params, tuner.Slo(itl_p99_seconds=slo), bounds, history, now)
@@ -333,10 +333,17 @@ async def closed_loop(url: str, start: int, slo: float, bounds: tuner.Bounds, in
             print(f"  t={now - began:5.0f}s max_num_seqs {params.max_num_seqs:3d}: "
                   f"{trace[-1].tokens_per_second:6.1f} tok/s, ITL P99 {_ms(trace[-1].itl_p99)} | {decision.reason}",
                   flush=True)
-            if decision.num_seqs_changed:
-                await set_max_num_seqs(session, url, decision.params.max_num_seqs)
-                collector.restart_windows(expect_max_num_seqs=decision.params.max_num_seqs)
             params, history = decision.params, decision.history
+            if decision.num_seqs_changed:
+                # As the operator does: the next window starts after the admission burst.
+                await set_max_num_seqs(session, url, params.max_num_seqs)
+                pause = settle_seconds(interval)
+                await asyncio.sleep(pause)
+                await collector.collect({"engine": f"{url}/metrics"})
+                collector.restart_windows(expect_max_num_seqs=params.max_num_seqs)
+                await asyncio.sleep(interval - pause)
+            else:
+                await asyncio.sleep(interval)
     return trace
 
 

@@ -72,6 +72,10 @@ class ServiceLoopState:
     restarts_seen: dict[str, int] = field(default_factory=dict)  # pod uid → engine restarts accounted for
     unreachable: frozenset[str] = frozenset()
     last_run: float = -math.inf
+    # After a new max_num_seqs the engines admit a burst of queued prompts whose prefill slows
+    # a few steps; the next window starts once that has passed (see ``settle_seconds``).
+    rebase_at: float | None = None
+    rebase_expect: int | None = None
 
 
 @dataclass
@@ -139,6 +143,8 @@ class TuningLoop:
         state = self.states.get((namespace, name))
         if state is None:
             state = self.states[(namespace, name)] = ServiceLoopState(MetricsCollector(window_seconds=2 * interval))
+        if state.rebase_at is not None and now >= state.rebase_at:
+            self._rebase(state, namespace, name)
         if now - state.last_run < interval - TICK_SECONDS / 2:
             return None
         state.last_run = now
@@ -203,6 +209,9 @@ class TuningLoop:
                                       f"pod {pod} did not take maxNumSeqs {new_state.max_num_seqs}: {error}; "
                                       "retrying next interval"))
             state.collector.restart_windows(expect_max_num_seqs=new_state.max_num_seqs)
+            state.rebase_at = now + settle_seconds(float(spec.tuning.interval_seconds
+                                                         or self.settings.tuning_interval_seconds))
+            state.rebase_expect = new_state.max_num_seqs
             result.events.append(("Normal", "Tuned", decision.reason))
         if decision.memory_changed:
             # The pod template carries the memory fraction: the reconcile renders it and the
@@ -211,6 +220,16 @@ class TuningLoop:
             result.events.append(("Normal", "TunedMemory", decision.reason + "; restarting pods one at a time"))
             result.events.extend(("Warning", reason, message) for reason, message in outcome.warnings)
         return new_state
+
+    def _rebase(self, state: ServiceLoopState, namespace: str, name: str) -> None:
+        """Starts every pod's window now that the admission burst after a change has passed."""
+        pods = self.kube.list("v1", "Pod", namespace, label_selector=builders.selector_string(name))
+        targets = {p["metadata"]["name"]: _pod_url(p, "/metrics") for p in pods
+                   if not p["metadata"].get("deletionTimestamp") and status.pod_ready(p)
+                   and (p.get("status") or {}).get("podIP")}
+        asyncio.run(state.collector.collect(targets))
+        state.collector.restart_windows(expect_max_num_seqs=state.rebase_expect)
+        state.rebase_at = state.rebase_expect = None
 
     def _sync_pods(self, state: ServiceLoopState, ready: dict[str, dict[str, Any]], params: TuningState,
                    token: str | None, namespace: str, name: str, result: TickResult) -> None:
@@ -269,6 +288,11 @@ class TuningLoop:
             self.kube.scale_inference_service(namespace, name, decision.replicas)
             telemetry.SCALE_DECISIONS.labels(namespace, name, "up" if decision.replicas > decision.previous else "down").inc()
             result.events.append(("Normal", "Scaled", decision.reason))
+
+
+def settle_seconds(interval: float) -> float:
+    """How long after a change the next window starts: a fifth of the interval, 2-10 s."""
+    return min(max(interval / 5, 2.0), 10.0)
 
 
 def post_events(body: dict[str, Any], result: TickResult) -> None:
