@@ -9,6 +9,7 @@ torch; heavy imports happen inside the handlers.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from kvpilot import __version__
@@ -27,16 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvpilot {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    import importlib
-
     for module_name in COMPONENT_CLIS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and exc.name.startswith("kvpilot"):
-                continue  # component not built yet in this checkout
-            raise
-        module.register(subparsers)
+        importlib.import_module(module_name).register(subparsers)
     return parser
 
 
