@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvpilot.operator import spec as specs
 from kvpilot.operator.metrics import MetricsCollector
 from kvpilot.operator.tuner import Change, Decision, EngineParams, TuningHistory
-from kvpilot.operator.tuning import count_new_oom_kills, metrics_status, tuning_status, wants_loop
+from kvpilot.operator.tuning import count_new_oom_kills, metrics_status, settle_seconds, tuning_status, wants_loop
 
 
 def pod(uid: str, restarts: int, reason: str | None) -> dict:
@@ -51,3 +51,9 @@ def test_loop_runs_only_for_services_that_tune_or_scale():
     assert wants_loop({"tuning": {"slo": {"itlP99Seconds": 0.1}}})
     assert not wants_loop({"tuning": {"enabled": False}})
     assert wants_loop({"autoscaling": {"maxReplicas": 3}})
+
+
+def test_the_window_after_a_change_starts_a_fifth_of_an_interval_later_within_bounds():
+    assert settle_seconds(30.0) == 6.0
+    assert settle_seconds(5.0) == 2.0
+    assert settle_seconds(600.0) == 10.0
