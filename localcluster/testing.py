@@ -1,9 +1,9 @@
 """One local cluster shared by every test suite of a pytest session (tests/e2e, tests/localcluster).
 
-Each suite's conftest has a session fixture that calls ``acquire()`` and, at
-teardown, ``release()``; the cluster comes up on the first acquire and goes
-down on the last release, so a session pays for one start however many suites
-use it. Nothing here imports pytest.
+The session fixture ``local_cluster`` in tests/conftest.py calls ``acquire()``
+and, at teardown, ``release()``; the cluster comes up on the first acquire and
+goes down on the last release, so a session pays for one start however many
+suites use it. Nothing here imports pytest.
 
 To iterate quickly, set KVPILOT_TEST_CLUSTER_DIR to a state folder: the tests
 then use the cluster running there (starting it if needed) and leave it up.

@@ -31,3 +31,22 @@ def tiny_model_dirs(tmp_path_factory) -> dict:
 def tiny_model_dir(tiny_model_dirs):
     """Folder of the generated `tiny` Llama model."""
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def local_cluster():
+    """One real local control plane for the whole session (tests/localcluster, tests/e2e).
+
+    A kvpilot.localcluster.testing.ClusterHandle: ``kubeconfig``, ``env`` (KUBECONFIG,
+    kubectl and helm on PATH), ``kubectl(*args)`` / ``helm(*args)``, ``api_client()``,
+    ``server``, ``bin_dir``, ``state_dir``, ``nodes``, ``gpu_resource``. Pods run as local
+    processes on their own 127.0.B.N (see localcluster/podenv.py for what they get). The
+    binaries must be built first (`kvpilot local-cluster build`, run by scripts/setup.sh);
+    without them the fixture fails and says so. Teardown fails if any process is left.
+    """
+    from kvpilot.localcluster import testing
+
+    handle = testing.acquire()
+    yield handle
+    leftovers = testing.release()
+    assert not leftovers, f"processes left behind after teardown: {leftovers}"
