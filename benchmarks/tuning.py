@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: generated small preset)")
     parser.add_argument("--grid", type=int, nargs="+", default=list(GRID), help="max_num_seqs settings to sweep")
     parser.add_argument("--slo-ms", type=float, default=None, help="ITL P99 SLO (default: see above)")
-    parser.add_argument("--rate", type=float, default=3.0, help="Poisson arrivals per second")
+    parser.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
     parser.add_argument("--max-in-flight", type=int, default=200)
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds after a sweep change before measuring")
     parser.add_argument("--measure", type=float, default=20.0, help="seconds measured per sweep setting")
