@@ -135,34 +135,31 @@ class ServerMetrics:
         )
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
-        self.time_to_first_token = Histogram(
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]):
+            return Histogram(
+                name, documentation, labelnames=label, buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self.time_to_first_token = histogram(
             names.TIME_TO_FIRST_TOKEN,
             "Seconds from arrival to the first generated token.",
-            labelnames=label,
-            buckets=names.TIME_TO_FIRST_TOKEN_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.inter_token_latency = Histogram(
+            names.TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
             names.INTER_TOKEN_LATENCY,
             "Seconds between consecutive tokens of a request (per token).",
-            labelnames=label,
-            buckets=names.INTER_TOKEN_LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.e2e_request_latency = Histogram(
+            names.INTER_TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
             names.E2E_REQUEST_LATENCY,
             "Seconds from arrival to the last token of a finished request.",
-            labelnames=label,
-            buckets=names.REQUEST_LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.request_queue_time = Histogram(
+            names.REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
             names.REQUEST_QUEUE_TIME,
             "Seconds from arrival until the request was first scheduled.",
-            labelnames=label,
-            buckets=names.REQUEST_LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
+            names.REQUEST_LATENCY_BUCKETS,
+        )
         self._progress: dict[str, _Progress] = {}
 
     # ---- StepObserver (engine thread) -------------------------------------------
