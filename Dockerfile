@@ -20,6 +20,13 @@ RUN /opt/kvpilot/bin/pip install --no-cache-dir -c scripts/constraints.txt ".[en
     && find /opt/kvpilot -name '__pycache__' -type d -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE}
+# A C compiler at run time: Triton builds its GPU launchers with one, and the CPU decode-attention
+# kernel (kernels/cpu_paged_decode.c) is compiled for the machine it runs on. Unpinned: the
+# pinned base image tag fixes the Debian release, whose security updates we want.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 # A fixed numeric non-root user: the operator's engine pods set runAsUser 10001 to match.
 RUN groupadd --system --gid 10001 kvpilot \
     && useradd --system --uid 10001 --gid 10001 --home-dir /tmp/home --no-create-home \

@@ -1,12 +1,14 @@
-"""Reference attention over the paged KV cache in plain torch: the CPU path.
+"""Attention over the paged KV cache on the CPU, in torch plus one C kernel.
 
-Decode rows (one new token per sequence) dominate a serving step, so they are attended in
-batches: sequences are sorted by context length and cut into a few groups, each group's paged
-contexts are gathered into one buffer padded to the group's longest context and masked by
-length, one ``scaled_dot_product_attention`` call per group. Grouping by length keeps the
-padding (wasted reads) small when short and long contexts mix. Sequences with several new
-tokens (prefill chunks) are attended one by one with a causal mask offset by their cached
-prefix.
+Decode rows (one new token per sequence) dominate a serving step. On the CPU they go to the C
+kernel in ``kvpilot.kernels.cpu_paged_decode``, which reads each context straight from its
+cache blocks. Where that kernel cannot be built (no C compiler) or does not fit the shape, and
+on other devices, they are attended in plain torch, in batches: sequences are sorted by context
+length and cut into a few groups, each group's paged contexts are gathered into one buffer
+padded to the group's longest context and masked by length, one
+``scaled_dot_product_attention`` call per group. Grouping by length keeps the padding (wasted
+reads) small when short and long contexts mix. Sequences with several new tokens (prefill
+chunks) are attended one by one with a causal mask offset by their cached prefix.
 
 Grouped-query attention needs no copy of K/V: query heads that share a KV head are folded
 into the query-length dimension, since HF's ``repeat_kv`` maps query head h to KV head
@@ -15,12 +17,16 @@ into the query-length dimension, since HF's ``repeat_kv`` maps query head h to K
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.kernels import cpu_paged_decode
+
+logger = logging.getLogger(__name__)
 
 # A new decode group starts once contexts have shrunk to this fraction of the group's longest
 # and the group already holds enough sequences to amortise one more gather + attention call.
@@ -39,7 +45,9 @@ class _DecodeGroup:
 class _StepPlan:
     """How one step's sequences are attended; built once per step, shared by every layer."""
 
-    decode_groups: tuple[_DecodeGroup, ...]
+    # Decode rows for the C kernel: (sequence indices, their rows), both [n] int32; None = no kernel.
+    kernel_decode: tuple[torch.Tensor, torch.Tensor] | None
+    decode_groups: tuple[_DecodeGroup, ...]  # decode rows attended in torch
     # (seq index, first row, q_len, seq_len) of every sequence with q_len > 1
     multi_token_seqs: tuple[tuple[int, int, int, int], ...]
     store_all_rows: bool  # no padding rows: slot_mapping can be used as is
@@ -49,7 +57,10 @@ class _StepPlan:
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, *, decode_kernel: bool = True) -> None:
+        # False keeps decode rows in plain torch everywhere (the reference the kernel is tested against).
+        self.decode_kernel = decode_kernel
+        self._kernel_ok: dict[tuple, bool] = {}  # per (dtype, shape): did the kernel build?
         # The plan depends only on the (immutable) metadata, so every layer of a step reuses it.
         self._plan_metadata: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
@@ -67,13 +78,19 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         block_size = kv_cache.shape[2]
-        plan = self._plan_for(metadata, block_size, query.dtype)
+        plan = self._plan_for(metadata, kv_cache, query)
         store_kv(key, value, kv_cache, metadata.slot_mapping, plan.store_all_rows)
 
         num_tokens, num_heads, head_dim = query.shape
         group = num_heads // key.shape[1]
         out = query.new_empty if plan.writes_all_rows else query.new_zeros
         out = out(num_tokens, num_heads, head_dim)
+
+        if plan.kernel_decode is not None:
+            seqs, rows = plan.kernel_decode
+            cpu_paged_decode.paged_decode_attention(
+                query, kv_cache, metadata.block_tables, metadata.seq_lens, seqs, rows, scale, out
+            )
 
         for decode_group in plan.decode_groups:
             gathered = self._gather(kv_cache, decode_group.blocks)
@@ -89,17 +106,22 @@ class TorchAttentionBackend:
             else:
                 num_blocks = -(-seq_len // block_size)
                 blocks = metadata.block_tables[seq, :num_blocks].long()
-                k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
-                v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+                k = _select_blocks(key_cache, blocks)[:seq_len]
+                v = _select_blocks(value_cache, blocks)[:seq_len]
             out[start : start + q_len] = _attend_causal(q, k, v, group, scale)
         return out
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """Blocks [n, b] of K and V -> [2, n, b * block_size, num_kv_heads, head_dim] (a reused buffer)."""
+        """Blocks [n, b] of K and V -> [2, n, b * block_size, num_kv_heads, head_dim] (a reused buffer).
+
+        The cache is indexed as rows of whole blocks ([2 * num_blocks, block bytes]), K's rows
+        then V's: ``index_select`` copies such rows at memcpy speed, about three times faster
+        than selecting along dim 1 of the 5-d cache.
+        """
         n, blocks_per_seq = blocks.shape
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        shape = (2, n * blocks_per_seq, block_size, num_kv_heads, head_dim)
-        numel = 2 * n * blocks_per_seq * block_size * num_kv_heads * head_dim
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        row = block_size * num_kv_heads * head_dim
+        numel = 2 * n * blocks_per_seq * row
         workspace = self._workspace
         if (
             workspace is None
@@ -108,16 +130,52 @@ class TorchAttentionBackend:
             or workspace.device != kv_cache.device
         ):
             workspace = self._workspace = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
-        gathered = workspace[:numel].view(shape)
-        torch.index_select(kv_cache, 1, blocks.flatten(), out=gathered)
+        flat = blocks.flatten()
+        rows = torch.cat((flat, flat + num_blocks))  # [2 * n * b]: K rows, then V rows
+        gathered = workspace[:numel].view(2 * n * blocks_per_seq, row)
+        torch.index_select(kv_cache.view(2 * num_blocks, row), 0, rows, out=gathered)
         return gathered.view(2, n, blocks_per_seq * block_size, num_kv_heads, head_dim)
 
-    def _plan_for(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
+    def _plan_for(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, query: torch.Tensor) -> _StepPlan:
         if metadata is not self._plan_metadata:
-            self._plan = _build_plan(metadata, block_size, dtype)
+            block_size = kv_cache.shape[2]
+            use_kernel = self._kernel_usable(query, kv_cache)
+            self._plan = _build_plan(metadata, block_size, query.dtype, use_kernel=use_kernel)
             self._plan_metadata = metadata
         assert self._plan is not None
         return self._plan
+
+    def _kernel_usable(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether decode rows of this dtype and shape go to the C kernel; builds it on first use."""
+        if not self.decode_kernel or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+            return False
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_heads = query.shape[1]
+        key = (query.dtype, num_heads, num_kv_heads, head_dim, block_size)
+        if key not in self._kernel_ok:
+            shape = {"head_dim": head_dim, "group": num_heads // num_kv_heads, "block_size": block_size}
+            ok = cpu_paged_decode.supports(
+                dtype=query.dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                block_size=block_size,
+            )
+            if ok:
+                try:
+                    cpu_paged_decode.load_kernel(query.dtype, **shape)
+                except cpu_paged_decode.KernelBuildError as exc:
+                    logger.warning("CPU decode attention falls back to plain torch (slower): %s", exc)
+                    ok = False
+            self._kernel_ok[key] = ok
+        return self._kernel_ok[key]
+
+
+def _select_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, num_kv_heads, head_dim], blocks [b] -> [b * block_size, num_kv_heads, head_dim].
+
+    Selected as 2-d rows of whole blocks, the fast path of ``index_select``.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, blocks)
+    return rows.view(-1, num_kv_heads, head_dim)
 
 
 def store_kv(
@@ -138,7 +196,9 @@ def store_kv(
     kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value
 
 
-def _build_plan(metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
+def _build_plan(
+    metadata: AttentionMetadata, block_size: int, dtype: torch.dtype, *, use_kernel: bool = False
+) -> _StepPlan:
     starts = metadata.query_start_loc_cpu
     seq_lens = metadata.seq_lens_cpu
     decode: list[int] = []
@@ -150,13 +210,23 @@ def _build_plan(metadata: AttentionMetadata, block_size: int, dtype: torch.dtype
         elif q_len > 1:
             multi.append((i, starts[i], q_len, seq_len))
 
-    groups = tuple(
-        _decode_group(members, metadata, block_size, dtype)
-        for members in _split_by_length(decode, seq_lens, block_size)
-    )
+    kernel_decode = None
+    groups: tuple[_DecodeGroup, ...] = ()
+    if use_kernel and decode:
+        device = metadata.block_tables.device
+        kernel_decode = (
+            torch.tensor(decode, dtype=torch.int32, device=device),
+            torch.tensor([starts[i] for i in decode], dtype=torch.int32, device=device),
+        )
+    elif decode:
+        groups = tuple(
+            _decode_group(members, metadata, block_size, dtype)
+            for members in _split_by_length(decode, seq_lens, block_size)
+        )
     num_tokens = metadata.slot_mapping.shape[0]
     no_padding = num_tokens == starts[-1]
     return _StepPlan(
+        kernel_decode=kernel_decode,
         decode_groups=groups,
         multi_token_seqs=tuple(multi),
         store_all_rows=no_padding and bool((metadata.slot_mapping >= 0).all()),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
-from kvpilot.engine.attention.torch_backend import store_kv
+from kvpilot.engine.attention.torch_backend import TorchAttentionBackend, store_kv
 
 
 def naive_attention(q, k, v, scale):
@@ -87,14 +87,15 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_matches_dense_attention(case, num_heads, num_kv_heads, block_size):
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["c-kernel", "torch-only"])
+def test_matches_dense_attention(case, num_heads, num_kv_heads, block_size, decode_kernel):
     head_dim = 8
     scale = head_dim**-0.5
     query, key, value, kv_cache, metadata, full_k, full_v, queries = build_case(
         CASES[case], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         block_size=block_size, seed=sorted(CASES).index(case) * 100 + num_heads * 10 + block_size,
     )
-    out = get_attention_backend("torch").forward(query, key, value, kv_cache, metadata, scale)
+    out = TorchAttentionBackend(decode_kernel=decode_kernel).forward(query, key, value, kv_cache, metadata, scale)
     assert out.shape == query.shape
     starts = metadata.query_start_loc_cpu
     for i in range(len(CASES[case])):
@@ -131,17 +132,30 @@ def test_decode_rows_are_split_into_length_groups():
     assert len(plan.multi_token_seqs) == 2
 
 
-def test_bfloat16_close_to_float32():
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["c-kernel", "torch-only"])
+def test_bfloat16_close_to_float32(decode_kernel):
     query, key, value, kv_cache, metadata, *_ = build_case(
         CASES["mixed"], num_heads=8, num_kv_heads=2, head_dim=16, block_size=16, seed=11
     )
-    backend = get_attention_backend("torch")
+    backend = TorchAttentionBackend(decode_kernel=decode_kernel)
     ref = backend.forward(query, key, value, kv_cache.clone(), metadata, 0.25)
     out = backend.forward(
         query.bfloat16(), key.bfloat16(), value.bfloat16(), kv_cache.bfloat16(), metadata, 0.25
     )
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_decode_rows_go_to_the_c_kernel_on_cpu():
+    from kvpilot.engine.attention.torch_backend import _build_plan
+
+    *_, metadata, _, _, _ = build_case(CASES["mixed"], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=1)
+    plan = _build_plan(metadata, block_size=4, dtype=torch.float32, use_kernel=True)
+    seqs, rows = plan.kernel_decode
+    # The decode sequences of "mixed" are 1, 3 and 5, at the rows where their one token sits.
+    assert seqs.tolist() == [1, 3, 5]
+    assert rows.tolist() == [metadata.query_start_loc_cpu[i] for i in (1, 3, 5)]
+    assert plan.decode_groups == ()
 
 
 def test_unknown_backend_names_the_choices():
