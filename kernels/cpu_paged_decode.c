@@ -3,15 +3,15 @@
  * paged context, reading K and V straight from the KV cache (no gather into a padded copy).
  *
  * Built and loaded by cpu_paged_decode.py (gcc -O3 -march=native -ffast-math -fopenmp), once per
- * shape: HEAD_DIM, GROUP (query heads per KV head), BLOCK_SIZE and DTYPE are -D constants, so
+ * shape: HEAD_DIM, KV_HEADS, GROUP (query heads per KV head), BLOCK_SIZE and DTYPE are -D constants, so
  * every loop has a fixed trip count, unrolls, and keeps its accumulators in vector registers.
  * The OpenMP calls bind to the libgomp torch has already loaded, so this kernel and torch's own
  * operators share one thread pool and one thread count (torch.set_num_threads).
  *
- * Work item: one (sequence, KV head). The query heads that share the KV head are handled together,
- * so every K/V row is read once per item and used for all of them. Per cache block: scores for
- * its tokens, an online-softmax update (running max and sum per query head), then the weighted V
- * rows added to float32 accumulators.
+ * Work item: one sequence, all heads. A cache block holds its tokens' K (then V) rows for every KV
+ * head back to back, so an item reads each block front to back, once, and uses every K/V row for
+ * all the query heads that share it. Per block: scores for its tokens, an online-softmax update
+ * (running max and sum per query head), then the weighted V rows added to float32 accumulators.
  *
  * Layouts (element strides; the last dimension of query, out and kv_cache is contiguous):
  *   query/out  [num_tokens, num_heads, head_dim]
@@ -24,9 +24,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#if !defined(HEAD_DIM) || !defined(GROUP) || !defined(BLOCK_SIZE) || !defined(DTYPE)
-#error "build with -DHEAD_DIM=.. -DGROUP=.. -DBLOCK_SIZE=.. -DDTYPE=.."
+#if !defined(HEAD_DIM) || !defined(KV_HEADS) || !defined(GROUP) || !defined(BLOCK_SIZE) || !defined(DTYPE)
+#error "build with -DHEAD_DIM=.. -DKV_HEADS=.. -DGROUP=.. -DBLOCK_SIZE=.. -DDTYPE=.."
 #endif
+
+#define HEADS (KV_HEADS * GROUP)
+#define TOKEN_STRIDE (KV_HEADS * HEAD_DIM) /* elements from one cached token to the next */
 
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
@@ -58,75 +61,73 @@ static inline elem_t from_f32(float f) { return f; }
 
 void kvpilot_paged_decode_attention(
     const elem_t *query, int64_t q_stride_tok, int64_t q_stride_head,
-    const elem_t *kv_cache, int64_t num_blocks, int64_t num_kv_heads,
+    const elem_t *kv_cache, int64_t num_blocks,
     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
     const int32_t *seqs, const int32_t *rows, int64_t n, float scale,
     elem_t *out, int64_t out_stride_tok, int64_t out_stride_head) {
-    const int64_t token_stride = num_kv_heads * HEAD_DIM;
-    const int64_t block_stride = BLOCK_SIZE * token_stride;
+    const int64_t block_stride = BLOCK_SIZE * TOKEN_STRIDE;
     const elem_t *v_cache = kv_cache + num_blocks * block_stride;
 
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < n; ++item) {
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-            const int64_t row = rows[item];
-            const int64_t seq_len = seq_lens[seqs[item]];
-            const int32_t *table = block_tables + seqs[item] * table_stride;
+        const int64_t row = rows[item];
+        const int64_t seq_len = seq_lens[seqs[item]];
+        const int32_t *table = block_tables + seqs[item] * table_stride;
 
-            float q[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], scores[GROUP][BLOCK_SIZE];
-            float running_max[GROUP], running_sum[GROUP];
-            for (int g = 0; g < GROUP; ++g) {
-                const elem_t *q_row = query + row * q_stride_tok + (kv_head * GROUP + g) * q_stride_head;
-                for (int d = 0; d < HEAD_DIM; ++d) {
-                    q[g][d] = to_f32(q_row[d]) * scale;
-                    acc[g][d] = 0.0f;
-                }
-                running_max[g] = -FLT_MAX; /* finite: -ffast-math assumes no infinities */
-                running_sum[g] = 0.0f;
+        float q[HEADS][HEAD_DIM], acc[HEADS][HEAD_DIM], scores[HEADS][BLOCK_SIZE];
+        float running_max[HEADS], running_sum[HEADS];
+        for (int h = 0; h < HEADS; ++h) {
+            const elem_t *q_row = query + row * q_stride_tok + h * q_stride_head;
+            for (int d = 0; d < HEAD_DIM; ++d) {
+                q[h][d] = to_f32(q_row[d]) * scale;
+                acc[h][d] = 0.0f;
             }
-
-            for (int64_t start = 0; start < seq_len; start += BLOCK_SIZE) {
-                const int64_t offset = table[start / BLOCK_SIZE] * block_stride + kv_head * HEAD_DIM;
-                const int count = seq_len - start < BLOCK_SIZE ? (int)(seq_len - start) : BLOCK_SIZE;
-                const elem_t *k_rows = kv_cache + offset, *v_rows = v_cache + offset;
-
-                for (int t = 0; t < count; ++t) {
+            running_max[h] = -FLT_MAX; /* finite: -ffast-math assumes no infinities */
+            running_sum[h] = 0.0f;
+        }
+        for (int64_t start = 0; start < seq_len; start += BLOCK_SIZE) {
+            const int64_t offset = table[start / BLOCK_SIZE] * block_stride;
+            const int count = seq_len - start < BLOCK_SIZE ? (int)(seq_len - start) : BLOCK_SIZE;
+            const elem_t *k_rows = kv_cache + offset, *v_rows = v_cache + offset;
+            for (int t = 0; t < count; ++t) {
+                for (int kvh = 0; kvh < KV_HEADS; ++kvh) {
                     float k[HEAD_DIM];
-                    for (int d = 0; d < HEAD_DIM; ++d) k[d] = to_f32(k_rows[t * token_stride + d]);
+                    for (int d = 0; d < HEAD_DIM; ++d) k[d] = to_f32(k_rows[t * TOKEN_STRIDE + kvh * HEAD_DIM + d]);
                     for (int g = 0; g < GROUP; ++g) {
                         float dot = 0.0f;
-                        for (int d = 0; d < HEAD_DIM; ++d) dot += q[g][d] * k[d];
-                        scores[g][t] = dot;
+                        for (int d = 0; d < HEAD_DIM; ++d) dot += q[kvh * GROUP + g][d] * k[d];
+                        scores[kvh * GROUP + g][t] = dot;
                     }
                 }
-                for (int g = 0; g < GROUP; ++g) {
-                    float block_max = running_max[g];
-                    for (int t = 0; t < count; ++t) block_max = fmaxf(block_max, scores[g][t]);
-                    const float correction = expf(running_max[g] - block_max);
-                    float block_sum = 0.0f;
-                    for (int t = 0; t < count; ++t) {
-                        scores[g][t] = expf(scores[g][t] - block_max);
-                        block_sum += scores[g][t];
-                    }
-                    running_sum[g] = running_sum[g] * correction + block_sum;
-                    running_max[g] = block_max;
-                    for (int d = 0; d < HEAD_DIM; ++d) acc[g][d] *= correction;
-                }
+            }
+            for (int h = 0; h < HEADS; ++h) {
+                float block_max = running_max[h];
+                for (int t = 0; t < count; ++t) block_max = fmaxf(block_max, scores[h][t]);
+                const float correction = expf(running_max[h] - block_max);
+                float block_sum = 0.0f;
                 for (int t = 0; t < count; ++t) {
+                    scores[h][t] = expf(scores[h][t] - block_max);
+                    block_sum += scores[h][t];
+                }
+                running_sum[h] = running_sum[h] * correction + block_sum;
+                running_max[h] = block_max;
+                for (int d = 0; d < HEAD_DIM; ++d) acc[h][d] *= correction;
+            }
+            for (int t = 0; t < count; ++t) {
+                for (int kvh = 0; kvh < KV_HEADS; ++kvh) {
                     float v[HEAD_DIM];
-                    for (int d = 0; d < HEAD_DIM; ++d) v[d] = to_f32(v_rows[t * token_stride + d]);
+                    for (int d = 0; d < HEAD_DIM; ++d) v[d] = to_f32(v_rows[t * TOKEN_STRIDE + kvh * HEAD_DIM + d]);
                     for (int g = 0; g < GROUP; ++g) {
-                        const float p = scores[g][t];
-                        for (int d = 0; d < HEAD_DIM; ++d) acc[g][d] += p * v[d];
+                        const float p = scores[kvh * GROUP + g][t];
+                        for (int d = 0; d < HEAD_DIM; ++d) acc[kvh * GROUP + g][d] += p * v[d];
                     }
                 }
             }
-
-            for (int g = 0; g < GROUP; ++g) {
-                elem_t *out_row = out + row * out_stride_tok + (kv_head * GROUP + g) * out_stride_head;
-                const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
-                for (int d = 0; d < HEAD_DIM; ++d) out_row[d] = from_f32(acc[g][d] * inv);
-            }
+        }
+        for (int h = 0; h < HEADS; ++h) {
+            elem_t *out_row = out + row * out_stride_tok + h * out_stride_head;
+            const float inv = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
+            for (int d = 0; d < HEAD_DIM; ++d) out_row[d] = from_f32(acc[h][d] * inv);
         }
     }
 }

@@ -30,9 +30,10 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)  # with libmvec: the vectorised expf that -ffast-math loops call
-# The kernel keeps per-item scratch ([group, head_dim] floats, twice) on the stack.
+# The kernel keeps per-item scratch on the stack of an OpenMP thread: [num_heads, head_dim] floats
+# twice and [num_heads, block_size] once, a few hundred KiB at most with these limits.
 MAX_HEAD_DIM = 256
-MAX_GROUP = 32
+MAX_HEAD_ELEMENTS = 32768  # num_heads * head_dim
 MAX_BLOCK_SIZE = 128
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -47,7 +48,8 @@ def supports(*, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim:
         dtype in _DTYPE_CODES
         and head_dim <= MAX_HEAD_DIM
         and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= MAX_GROUP
+        and num_heads * head_dim <= MAX_HEAD_ELEMENTS
+        and num_heads * block_size <= MAX_HEAD_ELEMENTS
         and block_size <= MAX_BLOCK_SIZE
     )
 
@@ -65,10 +67,11 @@ def paged_decode_attention(
     """Sequence ``seqs[i]``'s query row ``rows[i]`` attends to its ``seq_lens`` cached tokens."""
     _check_args(query, kv_cache, block_tables, seq_lens, seqs, rows, out)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    kernel = load_kernel(query.dtype, head_dim=head_dim, group=query.shape[1] // num_kv_heads, block_size=block_size)
+    kernel = load_kernel(query.dtype, head_dim=head_dim, num_kv_heads=num_kv_heads,
+                         group=query.shape[1] // num_kv_heads, block_size=block_size)  # fmt: skip
     kernel(
         query.data_ptr(), query.stride(0), query.stride(1),
-        kv_cache.data_ptr(), num_blocks, num_kv_heads,
+        kv_cache.data_ptr(), num_blocks,
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         seqs.data_ptr(), rows.data_ptr(), seqs.shape[0], scale,
         out.data_ptr(), out.stride(0), out.stride(1),
@@ -77,7 +80,9 @@ def paged_decode_attention(
 
 
 @functools.cache
-def load_kernel(dtype: torch.dtype, *, head_dim: int, group: int, block_size: int) -> ctypes._CFuncPtr:
+def load_kernel(
+    dtype: torch.dtype, *, head_dim: int, num_kv_heads: int, group: int, block_size: int
+) -> ctypes._CFuncPtr:
     """The kernel specialised for this shape: compiled once per machine (cached), then loaded.
 
     Raises KernelBuildError when there is no working C compiler or the build fails.
@@ -90,8 +95,8 @@ def load_kernel(dtype: torch.dtype, *, head_dim: int, group: int, block_size: in
             f"no working C compiler {compiler!r} for the CPU attention kernel ({exc}); "
             "install gcc (apt-get install gcc) or point $CC at one"
         ) from None
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK_SIZE={block_size}",
-               f"-DDTYPE={_DTYPE_CODES[dtype]}")  # fmt: skip
+    defines = (f"-DHEAD_DIM={head_dim}", f"-DKV_HEADS={num_kv_heads}", f"-DGROUP={group}",
+               f"-DBLOCK_SIZE={block_size}", f"-DDTYPE={_DTYPE_CODES[dtype]}")  # fmt: skip
     command = [*FLAGS, *defines, *LIBS]
     key = hashlib.sha256(
         b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(command).encode(), _cpu_flags().encode()])
@@ -115,7 +120,7 @@ def load_kernel(dtype: torch.dtype, *, head_dim: int, group: int, block_size: in
     kernel.restype = None
     kernel.argtypes = [
         ptr, i64, i64,  # query, its token and head strides
-        ptr, i64, i64,  # kv_cache, num_blocks, num_kv_heads
+        ptr, i64,  # kv_cache, num_blocks
         ptr, i64, ptr,  # block_tables, its row stride, seq_lens
         ptr, ptr, i64, ctypes.c_float,  # seqs, rows, n, scale
         ptr, i64, i64,  # out, its token and head strides
@@ -164,7 +169,7 @@ def _check_args(
         raise ValueError(
             f"unsupported shape for the CPU decode kernel: dtype {query.dtype}, {query.shape[1]} heads over "
             f"{num_kv_heads} KV heads, head_dim {head_dim}, block_size {block_size} (limits: float32/bfloat16/"
-            f"float16, head_dim <= {MAX_HEAD_DIM}, <= {MAX_GROUP} query heads per KV head, "
+            f"float16, head_dim <= {MAX_HEAD_DIM}, num_heads * head_dim <= {MAX_HEAD_ELEMENTS}, "
             f"block_size <= {MAX_BLOCK_SIZE})"
         )
     if query.stride(2) != 1 or out.stride(2) != 1:

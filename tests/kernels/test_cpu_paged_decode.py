@@ -76,6 +76,6 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
     cpu_paged_decode.load_kernel.cache_clear()
     try:
         with pytest.raises(cpu_paged_decode.KernelBuildError, match="install gcc"):
-            cpu_paged_decode.load_kernel(torch.float32, head_dim=16, group=2, block_size=8)
+            cpu_paged_decode.load_kernel(torch.float32, head_dim=16, num_kv_heads=2, group=2, block_size=8)
     finally:
         cpu_paged_decode.load_kernel.cache_clear()
