@@ -110,6 +110,7 @@ class Sample:
     saturated: bool
     violated: bool  # the latest windows at this setting, averaged, were over the SLO
     preempting: bool
+    evidence_windows: int = 1  # how many windows that average spans
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,7 @@ def tune(
     current = [s for s in at_setting if not _draining(s, config)][-3:]
     itl_now = sum(s.itl_p99 for s in current) / len(current)
     batch_now = sum(s.batch for s in current) / len(current)
-    sample = replace(sample, violated=itl_now > slo_itl)
+    sample = replace(sample, violated=itl_now > slo_itl, evidence_windows=len(current))
     history = replace(history, samples=(history.samples + (sample,))[-config.history_length :])
 
     last_seqs_change = history.last_change("maxNumSeqs")
@@ -391,17 +392,29 @@ def _bracket(samples: tuple[Sample, ...], current: int, config: TunerConfig) -> 
     """The largest setting whose latest window met the SLO, and the smallest above ``current``
     not worth having.
 
-    A setting is not worth having when its latest window violated the SLO (and
-    the batch actually reached it), or when, saturated, it gave less
-    throughput than a smaller setting did.
+    A setting is not worth having when its latest verdict violated the SLO (and
+    the batch actually reached it), confirmed by more than one window, or when,
+    saturated, it gave less throughput than a smaller setting did.
     """
     latest: dict[int, Sample] = {}
+    violations: dict[int, int] = {}
     for s in samples:
         if _draining(s, config) or (s.violated and s.batch < config.saturation_fill * s.max_num_seqs):
             continue
         latest[s.max_num_seqs] = s
+        violations[s.max_num_seqs] = violations.get(s.max_num_seqs, 0) + s.violated
     good = max((k for k, s in latest.items() if not s.violated), default=None)
-    violated = min((k for k, s in latest.items() if s.violated and k > current), default=None)
+    # A violation seen in a single window backs the setting off (tune does that at once) but does
+    # not rule it out: on a busy machine a stall now and then lands in a window's P99. A verdict
+    # resting on several windows, or a second one, does.
+    violated = min(
+        (
+            k
+            for k, s in latest.items()
+            if s.violated and k > current and (s.evidence_windows > 1 or violations[k] > 1)
+        ),
+        default=None,
+    )
     slower = None
     best_below = 0.0
     for k in sorted(latest):

@@ -132,6 +132,27 @@ def test_holds_still_under_noise(seed):
     assert engine.throughput(settled[-1]) >= 0.85 * engine.oracle(SLO, BOUNDS)
 
 
+class StallOnce(SimulatedEngine):
+    """A machine that stalls during the first window at one setting: its P99 comes out 1.6x."""
+
+    stalled: bool = False
+
+    def window(self, params: EngineParams, rng: random.Random) -> Observation:
+        obs = super().window(params, rng)
+        if not self.stalled and params.max_num_seqs >= 30:
+            self.stalled = True
+            return replace(obs, itl_p99=obs.itl_p99 * 1.6)
+        return obs
+
+
+def test_one_stalled_window_does_not_rule_a_setting_out():
+    engine = StallOnce()
+    trace, final = run(engine, 2, intervals=16)
+    seqs = [m for m, _ in trace]
+    assert any("> SLO" in reason for _, reason in trace), "the stall backs the setting off at once"
+    assert engine.throughput(final.max_num_seqs) >= 0.9 * engine.oracle(SLO, BOUNDS), seqs
+
+
 @pytest.mark.parametrize("start", [2, 256])
 def test_respects_bounds(start):
     bounds = Bounds(min_num_seqs=4, max_num_seqs=48, min_gpu_memory_utilization=0.8, max_gpu_memory_utilization=0.95)
