@@ -13,7 +13,9 @@ the SLO less a safety margin, and moves there:
   quarter per interval), never below a setting recently seen to meet it.
 - Headroom and saturated (running ≈ max_num_seqs with a queue): grow towards
   the fitted target in bounded steps; never up to a setting recently seen to
-  violate; never past what the KV cache holds at the observed sequence lengths.
+  violate (over more than one window: one stalled window backs a setting off
+  but does not rule it out); never past what the KV cache holds at the
+  observed sequence lengths.
 - Otherwise, inside the margin band or the hysteresis band, during a
   cooldown, or with too little traffic to learn from: hold still.
 
