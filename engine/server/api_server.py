@@ -180,6 +180,16 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="kvpilot", lifespan=lifespan)
     app.state.kvpilot = state
 
+    @app.middleware("http")
+    async def close_connections_while_draining(request: Request, call_next):
+        # A client must not keep a connection to a server about to exit: a request it sends on
+        # that connection as the server closes it is lost ("connection reset") instead of being
+        # answered with the 503 that tells it to go to another replica.
+        response = await call_next(request)
+        if state.draining:
+            response.headers["Connection"] = "close"
+        return response
+
     def require_api_key(request: Request) -> None:
         if settings.api_key is not None:
             _check_token(request, settings.api_key, "API key")

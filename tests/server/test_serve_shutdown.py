@@ -77,6 +77,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_path):
         assert httpx.get(f"{url}/health").json() == {"status": "draining"}
         refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert refused.status_code == 503 and "Retry-After" in refused.headers
+        # No keep-alive to a server about to exit: a request sent on it later would be reset.
+        assert refused.headers["Connection"] == "close"
 
         reader.join(timeout=120)
         assert proc.wait(timeout=60) == 0
