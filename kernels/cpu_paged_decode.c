@@ -3,8 +3,8 @@
  * paged context, reading K and V straight from the KV cache (no gather into a padded copy).
  *
  * Built and loaded by cpu_paged_decode.py (gcc -O3 -march=native -ffast-math -fopenmp), once per
- * shape: HEAD_DIM, KV_HEADS, GROUP (query heads per KV head), BLOCK_SIZE and DTYPE are -D constants, so
- * every loop has a fixed trip count, unrolls, and keeps its accumulators in vector registers.
+ * shape: HEAD_DIM, KV_HEADS, GROUP (query heads per KV head), BLOCK_SIZE and DTYPE are -D
+ * constants, so every loop has a fixed trip count the compiler can unroll and vectorise.
  * The OpenMP calls bind to the libgomp torch has already loaded, so this kernel and torch's own
  * operators share one thread pool and one thread count (torch.set_num_threads).
  *
