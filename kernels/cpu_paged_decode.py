@@ -21,6 +21,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 from pathlib import Path
@@ -66,17 +67,21 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Sequence ``seqs[i]``'s query row ``rows[i]`` attends to its ``seq_lens`` cached tokens."""
     _check_args(query, kv_cache, block_tables, seq_lens, seqs, rows, out)
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    kernel = load_kernel(query.dtype, head_dim=head_dim, num_kv_heads=num_kv_heads,
-                         group=query.shape[1] // num_kv_heads, block_size=block_size)  # fmt: skip
-    kernel(
+    kernel_for(query, kv_cache)(
         query.data_ptr(), query.stride(0), query.stride(1),
-        kv_cache.data_ptr(), num_blocks,
+        kv_cache.data_ptr(), kv_cache.shape[1],
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         seqs.data_ptr(), rows.data_ptr(), seqs.shape[0], scale,
         out.data_ptr(), out.stride(0), out.stride(1),
     )  # fmt: skip
     return out
+
+
+def kernel_for(query: torch.Tensor, kv_cache: torch.Tensor) -> ctypes._CFuncPtr:
+    """The kernel for these tensors' dtype and shape (built on first use); raises KernelBuildError."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    return load_kernel(query.dtype, head_dim=head_dim, num_kv_heads=num_kv_heads,
+                       group=query.shape[1] // num_kv_heads, block_size=block_size)  # fmt: skip
 
 
 @functools.cache
@@ -136,8 +141,6 @@ def _cpu_flags() -> str:
                 return line
     except OSError:
         pass
-    import platform
-
     return platform.processor() or platform.machine()
 
 

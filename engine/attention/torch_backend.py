@@ -153,15 +153,13 @@ class TorchAttentionBackend:
         num_heads = query.shape[1]
         key = (query.dtype, num_heads, num_kv_heads, head_dim, block_size)
         if key not in self._kernel_ok:
-            shape = {"head_dim": head_dim, "num_kv_heads": num_kv_heads, "group": num_heads // num_kv_heads,
-                     "block_size": block_size}  # fmt: skip
             ok = cpu_paged_decode.supports(
                 dtype=query.dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 block_size=block_size,
             )
             if ok:
                 try:
-                    cpu_paged_decode.load_kernel(query.dtype, **shape)
+                    cpu_paged_decode.kernel_for(query, kv_cache)
                 except cpu_paged_decode.KernelBuildError as exc:
                     logger.warning("CPU decode attention falls back to plain torch (slower): %s", exc)
                     ok = False
