@@ -422,8 +422,8 @@ def simulate_autoscaling(capacity: float, max_num_seqs: int, interval: float = 3
         queue_tokens = max(0.0, queue_tokens + (demand - served) * interval)
         tokens_per_request = 100.0
         running = served / capacity * max_num_seqs  # batch slots busy in proportion to load
-        obs = _scaling_observation(served, queue_tokens / tokens_per_request, ready, interval, tokens_per_request,
-                                   running, max_num_seqs)
+        waiting = math.ceil(queue_tokens / tokens_per_request - 1e-6)  # the engines' gauge counts whole requests
+        obs = _scaling_observation(served, waiting, ready, interval, tokens_per_request, running, max_num_seqs)
         saturated = served >= 0.98 * ready * capacity
         decision = autoscale(obs, ReplicaState(desired, ready), policy, history, now, saturated)
         history = decision.history
