@@ -247,6 +247,7 @@ class PodWorker(threading.Thread):
             for run in self.init_runs + self.runs:
                 if run.running:
                     self.events.emit(pod, run.name, "Normal", "Killing", f"Stopping container {run.name}")
+            grace = self._pre_stop(pod, grace)
         self._stop_all(grace)
         if self._gone:
             return
@@ -262,6 +263,28 @@ class PodWorker(threading.Thread):
         except ApiError as exc:
             if exc.status != 409:  # 409: a newer pod of the same name; ours is gone already
                 raise
+
+    def _pre_stop(self, pod: dict, grace: float) -> float:
+        """Waits out the running containers' preStop ``sleep`` hooks, as a kubelet does before SIGTERM.
+
+        The hooks run side by side and their time counts against the grace period; returns what is
+        left of it. Only the ``sleep`` handler runs here (``exec`` and ``httpGet`` hooks do not):
+        it is what keeps a terminating pod serving while load balancers drop it.
+        """
+        sleeps = [
+            float((((run.spec.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}).get("seconds", 0))
+            for run in self.runs if run.running
+        ]
+        seconds = min(max(sleeps, default=0.0), grace)
+        if seconds <= 0:
+            return grace
+        log.info("pod %s: preStop sleep %.0fs", pod_key(pod), seconds)
+        started = time.monotonic()
+        deadline = started + seconds
+        while not (self._gone or self.stop_requested.is_set()) and time.monotonic() < deadline:
+            self._wake.wait(deadline - time.monotonic())
+            self._wake.clear()
+        return max(0.0, grace - (time.monotonic() - started))
 
     def _condition(self, kind: str, status: bool, reason: str | None = None) -> dict:
         value = "True" if status else "False"

@@ -184,8 +184,8 @@ class Load:
                         self.ok += 1
                     elif response.status_code == 503 and "shutting_down" in response.text:
                         # A draining pod turns new requests away for another replica, as a
-                        # load balancer would retry; the local kubelet has no preStop delay
-                        # to hide the moment before this client's target list catches up.
+                        # load balancer would retry (rare: the preStop sleep lets this client's
+                        # target list drop the pod before the engine drains).
                         self.not_routed += 1
                     else:
                         self.failures.append(f"{target}: HTTP {response.status_code}: {response.text[:200]}")

@@ -314,6 +314,31 @@ def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(local_clust
         local_cluster.kubectl("delete", "pod", name, "--ignore-not-found", "--wait=false")
 
 
+def test_pre_stop_sleep_runs_before_sigterm_within_the_grace_period(local_cluster):
+    name = f"draining-{uuid.uuid4().hex[:6]}"
+    script = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (print('got SIGTERM', flush=True), "
+        f"sys.exit(0))); print('ready', flush=True); time.sleep(600)  # {name}"
+    )
+    container = {"name": "main", "image": "ignored", "command": [sys.executable, "-c", script],
+                 "lifecycle": {"preStop": {"sleep": {"seconds": 3}}}}  # fmt: skip
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+           "spec": {"terminationGracePeriodSeconds": 10, "containers": [container]}}  # fmt: skip
+    _apply(local_cluster, pod)
+    try:
+        wait_until(
+            lambda: "ready" in local_cluster.pod_log("default", name, "main"), 30, "the process to start"
+        )
+        ((pid, start),) = [(p, s) for p, s in local_cluster.pod_pids() if name in _cmdline(p)]
+        deleted = time.monotonic()
+        local_cluster.kubectl("delete", "pod", name, "--wait=false")
+        wait_until(lambda: "got SIGTERM" in local_cluster.pod_log("default", name, "main"), 15, "SIGTERM")
+        assert time.monotonic() - deleted >= 3.0, "SIGTERM came before the preStop sleep was over"
+        wait_until(lambda: not processes.is_alive(pid, start), 15, "the process to exit")
+    finally:
+        local_cluster.kubectl("delete", "pod", name, "--ignore-not-found", "--wait=false")
+
+
 def test_failing_liveness_probe_restarts_the_container(local_cluster):
     name = f"unlive-{uuid.uuid4().hex[:6]}"
     pod = {
