@@ -18,16 +18,15 @@ would make every step's latency about the chunk, not the batch.
 2. Closed loop: the tuner (kvpilot.operator.tuner) fed by the operator's metrics code
    (kvpilot.operator.metrics), applying its decisions through the admin endpoint exactly
    as the operator does, from the smallest and from the largest grid setting.
-3. Autoscaling, simulated: the autoscaler (kvpilot.operator.autoscaler) against a load
-   step up and down, with replicas whose capacity is the throughput measured at the
-   tuned setting (one 2-core machine cannot host several CPU engines side by side).
+
+Autoscaling has its own benchmark, on the local cluster: benchmarks/autoscaling.py.
 
     python benchmarks/tuning.py                 # ~15 minutes on 2 cores
     python benchmarks/tuning.py --quick         # a smoke run, not a measurement
 
 Prints the sweep, the oracle, and per start: fraction of the oracle reached, intervals
 to get within 10% of it, seconds spent over the SLO, reversals after that; writes
-docs/tuning-*.png and a JSON of every interval (``--json``).
+docs/tuning-sweep.png, docs/tuning-from-*.png and a JSON of every interval (``--json``).
 """
 
 from __future__ import annotations
@@ -37,32 +36,24 @@ import asyncio
 import json
 import math
 import os
-import random
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
 
 from kvpilot.operator import tuner
-from kvpilot.operator.autoscaler import ReplicaState, ScalingHistory, ScalingPolicy, autoscale
 from kvpilot.operator.metrics import MetricsCollector, Observation
 from kvpilot.operator.tuning import settle_seconds
+from serving_common import PoissonLoad, generated_model
 
-MODEL_CACHE = Path.home() / ".cache" / "kvpilot" / "models"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 ADMIN_TOKEN = "benchmark-admin-token-0123456789abcdef"
 GRID = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-WORDS = (
-    "the engine schedules every request each step so finished sequences leave the batch and waiting "
-    "ones join at once while paged attention keeps the cache in small blocks allocated as tokens "
-    "arrive operators tune batch size against latency targets measured from metrics"
-).split()
 
 
 def parse_args() -> argparse.Namespace:
@@ -96,16 +87,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_path(args: argparse.Namespace) -> Path:
-    if args.model is not None:
-        return args.model
-    path = MODEL_CACHE / f"small-llama-seed{args.seed}"
-    if not (path / "config.json").exists():
-        from kvpilot.engine.model_files import make_model
-
-        tmp = path.with_name(path.name + ".tmp")
-        make_model(tmp, preset="small", arch="llama", seed=args.seed)
-        tmp.rename(path)
-    return path
+    return args.model if args.model is not None else generated_model("small", args.seed)
 
 
 def free_port() -> int:
@@ -173,78 +155,6 @@ async def set_max_num_seqs(session: aiohttp.ClientSession, url: str, value: int)
     async with session.post(f"{url}/admin/v1/scheduler", json={"max_num_seqs": value}, headers=headers) as response:
         if response.status != 200:
             raise RuntimeError(f"admin endpoint: HTTP {response.status}: {await response.text()}")
-
-
-@dataclass
-class LoadStats:
-    sent: int = 0
-    ok: int = 0
-    failed: int = 0
-    shed: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-
-
-class PoissonLoad:
-    """Open-loop Poisson arrivals of completions in a background thread with its own event loop."""
-
-    def __init__(self, url: str, rate: float, max_in_flight: int, seed: int, prompt_words: tuple[int, int],
-                 output_tokens: tuple[int, int]) -> None:
-        self.url, self.rate, self.max_in_flight = url, rate, max_in_flight
-        self.prompt_words, self.output_tokens = prompt_words, output_tokens
-        self.rng = random.Random(seed)
-        self.stats = LoadStats()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-
-    def _request_body(self) -> dict:
-        words = self.rng.randint(*self.prompt_words)
-        return {
-            "model": "small",
-            "prompt": " ".join(self.rng.choice(WORDS) for _ in range(words)),
-            "max_tokens": self.rng.randint(*self.output_tokens),
-            "ignore_eos": True,
-            "temperature": 0.0,
-        }
-
-    async def _run(self) -> None:
-        in_flight: set[asyncio.Task] = set()
-        timeout = aiohttp.ClientTimeout(total=3600)
-        connector = aiohttp.TCPConnector(limit=self.max_in_flight)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            while not self._stop.is_set():
-                await asyncio.sleep(self.rng.expovariate(self.rate))
-                if len(in_flight) >= self.max_in_flight:
-                    self.stats.shed += 1
-                    continue
-                task = asyncio.create_task(self._one(session, self._request_body()))
-                in_flight.add(task)
-                task.add_done_callback(in_flight.discard)
-            for task in list(in_flight):
-                task.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
-
-    async def _one(self, session: aiohttp.ClientSession, body: dict) -> None:
-        self.stats.sent += 1
-        try:
-            async with session.post(f"{self.url}/v1/completions", json=body) as response:
-                await response.read()
-                if response.status == 200:
-                    self.stats.ok += 1
-                    return
-                key = f"HTTP {response.status}"
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any client failure counts as a failed request
-            key = type(exc).__name__
-        self.stats.failed += 1
-        self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
 
 
 @dataclass
@@ -389,70 +299,6 @@ def report(trace: list[Interval], start: int, oracle: Interval, slo: float, inte
     return RunReport(start, fraction, within, over, reversals, trace[-1].max_num_seqs)
 
 
-@dataclass
-class ScalingRun:
-    step_up_seconds: float | None
-    step_down_seconds: float | None
-    trace: list[tuple[float, float, int, float]]  # (t, demand, replicas, served)
-
-
-def simulate_autoscaling(capacity: float, max_num_seqs: int, interval: float = 30.0,
-                         startup: float = 60.0) -> ScalingRun:
-    """A load step 0.6 → 3.2 → 0.6 replicas' worth of the measured capacity, 30 s intervals.
-
-    A new replica serves after ``startup`` seconds (model load); a removed one stops at once
-    (its pod drains in-flight requests, which this simulation does not model).
-    """
-    policy = ScalingPolicy(min_replicas=1, max_replicas=6)
-    phases = [(300.0, 0.6), (600.0, 3.2), (900.0, 0.6)]
-    demand_at = []
-    t = 0.0
-    for length, level in phases:
-        demand_at.append((t, t + length, level * capacity))
-        t += length
-    desired, ready_since, history = 1, [0.0], ScalingHistory()
-    queue_tokens = 0.0
-    trace = []
-    up_at = down_at = None
-    for step in range(int(t // interval)):
-        now = step * interval
-        demand = next(d for a, b, d in demand_at if a <= now < b)
-        ready = sum(1 for s in ready_since if now - s >= startup or s == 0.0)
-        served = min(demand + queue_tokens / interval, ready * capacity)
-        queue_tokens = max(0.0, queue_tokens + (demand - served) * interval)
-        tokens_per_request = 100.0
-        running = served / capacity * max_num_seqs  # batch slots busy in proportion to load
-        waiting = math.ceil(queue_tokens / tokens_per_request - 1e-6)  # the engines' gauge counts whole requests
-        obs = _scaling_observation(served, waiting, ready, interval, tokens_per_request, running, max_num_seqs)
-        saturated = served >= 0.98 * ready * capacity
-        decision = autoscale(obs, ReplicaState(desired, ready), policy, history, now, saturated)
-        history = decision.history
-        if decision.replicas > desired:
-            ready_since += [now] * (decision.replicas - desired)
-        elif decision.replicas < desired:
-            ready_since = ready_since[: decision.replicas]
-        desired = decision.replicas
-        trace.append((now, demand, ready, served))
-        if up_at is None and now >= 300 and ready * capacity >= demand:
-            up_at = now - 300
-        if down_at is None and now >= 900 and desired == 1:
-            down_at = now - 900
-    return ScalingRun(up_at, down_at, trace)
-
-
-def _scaling_observation(served: float, waiting: float, pods: int, seconds: float, per_request: float,
-                         running: float, max_num_seqs: int) -> Observation:
-    return Observation(
-        window_seconds=seconds, pods=pods, output_tokens_per_second=served, prompt_tokens_per_second=0.0,
-        requests_per_second=served / per_request, requests_finished=served * seconds / per_request,
-        itl_samples=served * seconds, ttft_p50=None, ttft_p99=None, itl_p50=None, itl_p99=None, e2e_p50=None,
-        e2e_p99=None, queue_time_p99=None, mean_running_per_pod=running / pods, running=running, waiting=waiting,
-        waiting_now=waiting, kv_cache_usage=0.0, kv_cache_blocks=0.0, preemptions_per_second=0.0,
-        prefix_cache_hit_rate=None, mean_output_tokens_per_request=per_request, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=None, gpu_memory_utilization=None,
-    )
-
-
 def plot_run(trace: list[Interval], oracle: Interval, slo: float, title: str, path: Path) -> None:
     import matplotlib
 
@@ -503,25 +349,6 @@ def plot_sweep(points: list[Interval], slo: float, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_scaling(run: ScalingRun, capacity: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t = [x[0] for x in run.trace]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(t, [x[1] for x in run.trace], label="demand (tok/s)")
-    ax.plot(t, [x[3] for x in run.trace], label="served (tok/s)")
-    ax.step(t, [x[2] * capacity for x in run.trace], where="post", label="ready capacity (tok/s)")
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("output tok/s")
-    ax.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _ms(value: float | None) -> str:
     return "   n/a" if value is None else f"{value * 1000:6.1f} ms"
 
@@ -537,7 +364,8 @@ def main() -> int:
     load = None
     try:
         server.wait_ready()
-        load = PoissonLoad(server.url, args.rate, args.max_in_flight, args.seed, args.prompt_words, args.output_tokens)
+        load = PoissonLoad(lambda: [server.url], args.rate, args.max_in_flight, args.seed, args.prompt_words,
+                           args.output_tokens, model="small")
         load.start()
         time.sleep(2 * args.warmup)  # first forwards are slow (allocator, caches)
         print(f"sweep (Poisson {args.rate:g} req/s, ≤{args.max_in_flight} in flight):", flush=True)
@@ -560,7 +388,6 @@ def main() -> int:
         if oracle is None:
             raise SystemExit(f"no setting meets the ITL P99 SLO of {slo * 1000:.0f} ms; give a larger --slo-ms")
         reports = [report(trace, start, oracle, slo, args.interval) for start, trace in runs.items()]
-        scaling = simulate_autoscaling(oracle.tokens_per_second, oracle.max_num_seqs)
     finally:
         if load is not None:
             load.stop()
@@ -578,9 +405,6 @@ def main() -> int:
         print(f"  start {r.start:3d}: {r.fraction_of_oracle:.0%} of oracle (last 4 intervals), within 10% after "
               f"{r.intervals_to_within_10pct} intervals, {r.seconds_over_slo:.0f} s over the SLO, "
               f"{r.reversals_after} reversals after, final max_num_seqs {r.final_max_num_seqs}")
-    print(f"  autoscaling (simulated, {oracle.tokens_per_second:.0f} tok/s per replica, 60 s start-up): "
-          f"capacity caught up {scaling.step_up_seconds} s after the step up, back to 1 replica "
-          f"{scaling.step_down_seconds} s after the step down")
     print(f"  load: {load.stats.sent} sent, {load.stats.ok} ok, {load.stats.failed} failed {load.stats.errors}, "
           f"{load.stats.shed} shed at the client")
 
@@ -591,13 +415,13 @@ def main() -> int:
             label = "small" if start == args.grid[0] else "large"
             plot_run(trace, oracle, slo, f"Live tuning from max_num_seqs {start} (small model, CPU)",
                      DOCS / f"tuning-from-{label}.png")
-        plot_scaling(scaling, oracle.tokens_per_second, DOCS / "tuning-autoscaling.png")
     if args.json is not None:
         args.json.write_text(json.dumps({
             "slo_seconds": slo, "oracle": asdict(oracle), "sweep": [asdict(p) for p in points],
             "sweep_before": [asdict(p) for p in before], "sweep_after": [asdict(p) for p in after],
             "runs": {str(s): [asdict(p) for p in t] for s, t in runs.items()},
-            "reports": [asdict(r) for r in reports], "scaling": asdict(scaling), "load": asdict(load.stats),
+            "reports": [asdict(r) for r in reports],
+            "load": {k: v for k, v in asdict(load.stats).items() if k != "completions"},
         }, indent=1))
     return 0
 

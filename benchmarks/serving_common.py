@@ -1,0 +1,155 @@
+"""What the serving benchmarks (tuning.py, autoscaling.py) share: a generated model, open-loop load.
+
+``generated_model`` writes a random Llama model of a preset size once and reuses it.
+
+``PoissonLoad`` sends Poisson arrivals of OpenAI completions at ``rate`` per second (it may change
+while running, for load steps) whether or not earlier requests have finished, up to
+``max_in_flight`` outstanding; arrivals beyond that are shed at the client and counted. Prompt
+and output lengths are drawn uniformly from the given ranges; EOS is ignored so every request
+asks for its full output. Requests go round-robin to ``targets()``, engine base URLs read per
+request. A request an engine turns away before doing any work (the connection refused by a pod
+that has just gone, or a 503 ``shutting_down`` from a draining one) goes to the next target, as
+a load balancer retries it; such requests count as ``rerouted``, and as failed only if no target
+serves them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+MODEL_CACHE = Path.home() / ".cache" / "kvpilot" / "models"
+
+WORDS = (
+    "the engine schedules every request each step so finished sequences leave the batch and waiting "
+    "ones join at once while paged attention keeps the cache in small blocks allocated as tokens "
+    "arrive operators tune batch size against latency targets measured from metrics"
+).split()
+ATTEMPTS = 4  # targets tried per request before it counts as failed
+NO_TARGET_WAIT_S = 0.5
+
+
+def generated_model(preset: str, seed: int) -> Path:
+    """A random Llama-family model of ``preset`` size, generated on first use under MODEL_CACHE."""
+    path = MODEL_CACHE / f"{preset}-llama-seed{seed}"
+    if not (path / "config.json").exists():
+        from kvpilot.engine.model_files import make_model
+
+        tmp = path.with_name(path.name + ".tmp")
+        make_model(tmp, preset=preset, arch="llama", seed=seed)
+        tmp.rename(path)
+    return path
+
+
+@dataclass
+class LoadStats:
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    shed: int = 0
+    rerouted: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    completions: list[tuple[float, int]] = field(default_factory=list)  # (time.time(), output tokens)
+    failure_times: list[float] = field(default_factory=list)
+
+
+class _TurnedAway(Exception):
+    """The engine refused the request before doing any work; another may take it."""
+
+
+class PoissonLoad:
+    """Open-loop Poisson arrivals in a background thread with its own event loop."""
+
+    def __init__(self, targets: Callable[[], list[str]], rate: float, max_in_flight: int, seed: int,
+                 prompt_words: tuple[int, int], output_tokens: tuple[int, int], model: str) -> None:
+        self.targets, self.rate, self.max_in_flight = targets, rate, max_in_flight
+        self.prompt_words, self.output_tokens, self.model = prompt_words, output_tokens, model
+        self.rng = random.Random(seed)
+        self.stats = LoadStats()
+        self._next_target = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _request_body(self) -> dict:
+        words = self.rng.randint(*self.prompt_words)
+        return {
+            "model": self.model,
+            "prompt": " ".join(self.rng.choice(WORDS) for _ in range(words)),
+            "max_tokens": self.rng.randint(*self.output_tokens),
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+
+    async def _run(self) -> None:
+        in_flight: set[asyncio.Task] = set()
+        timeout = aiohttp.ClientTimeout(total=3600)
+        connector = aiohttp.TCPConnector(limit=self.max_in_flight)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            while not self._stop.is_set():
+                await asyncio.sleep(self.rng.expovariate(self.rate))
+                if len(in_flight) >= self.max_in_flight:
+                    self.stats.shed += 1
+                    continue
+                task = asyncio.create_task(self._one(session, self._request_body()))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            for task in list(in_flight):
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _one(self, session: aiohttp.ClientSession, body: dict) -> None:
+        self.stats.sent += 1
+        key = "no target"
+        for attempt in range(ATTEMPTS):
+            targets = self.targets()
+            if not targets:
+                await asyncio.sleep(NO_TARGET_WAIT_S)
+                continue
+            self._next_target += 1
+            url = targets[self._next_target % len(targets)]
+            if attempt:
+                self.stats.rerouted += 1
+            try:
+                status = await self._post(session, url, body)
+            except _TurnedAway as exc:
+                key = str(exc)
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any other client failure counts as a failed request
+                key = type(exc).__name__
+                break
+            if status == 200:
+                self.stats.ok += 1
+                self.stats.completions.append((time.time(), body["max_tokens"]))
+                return
+            key = f"HTTP {status}"
+            break
+        self.stats.failed += 1
+        self.stats.failure_times.append(time.time())
+        self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
+
+    @staticmethod
+    async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> int:
+        try:
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                text = await response.text()
+        except aiohttp.ClientConnectorError as exc:
+            raise _TurnedAway("connection refused") from exc
+        if response.status == 503 and "shutting_down" in text:
+            raise _TurnedAway("HTTP 503 shutting_down")
+        return response.status
