@@ -57,7 +57,6 @@ class LoadStats:
     rerouted: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     completions: list[tuple[float, int]] = field(default_factory=list)  # (time.time(), output tokens)
-    failure_times: list[float] = field(default_factory=list)
 
 
 class _TurnedAway(Exception):
@@ -113,20 +112,20 @@ class PoissonLoad:
 
     async def _one(self, session: aiohttp.ClientSession, body: dict) -> None:
         self.stats.sent += 1
-        key = "no target"
-        for attempt in range(ATTEMPTS):
+        key, turned_away = "no target", False
+        for _ in range(ATTEMPTS):
             targets = self.targets()
             if not targets:
                 await asyncio.sleep(NO_TARGET_WAIT_S)
                 continue
             self._next_target += 1
             url = targets[self._next_target % len(targets)]
-            if attempt:
+            if turned_away:
                 self.stats.rerouted += 1
             try:
                 status = await self._post(session, url, body)
             except _TurnedAway as exc:
-                key = str(exc)
+                key, turned_away = str(exc), True
                 continue
             except asyncio.CancelledError:
                 raise
@@ -140,7 +139,6 @@ class PoissonLoad:
             key = f"HTTP {status}"
             break
         self.stats.failed += 1
-        self.stats.failure_times.append(time.time())
         self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
 
     @staticmethod
