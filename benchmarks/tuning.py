@@ -1,7 +1,8 @@
 """Live tuning: the operator's tuner against a real `kvpilot serve` on the CPU, vs a static oracle.
 
 One engine process serves the generated ``small`` preset model (CPU, float32, a step budget
-of 128 tokens). A load thread sends Poisson arrivals of completions with mixed prompt (4-24
+of twice the largest setting swept: room for every running sequence's decode token plus the
+prefill of the arrivals, so the budget never caps the batch below ``max_num_seqs``). A load thread sends Poisson arrivals of completions with mixed prompt (4-24
 words) and output (16-160 tokens, EOS ignored) lengths at a rate above what any setting can
 serve, so the engine is always saturated (at most ``--max-in-flight`` requests are
 outstanding; arrivals beyond that are shed at the client and counted). Prompts are short
@@ -68,7 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=15.0, help="tuning interval, seconds")
     parser.add_argument("--intervals", type=int, default=12, help="tuning intervals per closed-loop run")
     parser.add_argument("--dtype", default="float32", help="engine dtype (float32 is fastest on most CPUs)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the engine's step budget (default: twice the largest --grid setting)")
     parser.add_argument("--engine-threads", type=int, default=None, help="OMP_NUM_THREADS for the engine")
     parser.add_argument("--nice", type=int, default=0, help="run the engine under `nice -n N` (negative: root)")
     parser.add_argument("--prompt-words", type=int, nargs=2, default=[4, 24], metavar=("MIN", "MAX"))
@@ -100,7 +102,7 @@ class EngineServer:
     """A `kvpilot serve` subprocess on 127.0.0.1 with the admin API on."""
 
     def __init__(self, model: Path, port: int, max_num_seqs: int, max_seqs_ever: int, dtype: str,
-                 max_num_batched_tokens: int, threads: int | None, nice: int) -> None:
+                 max_num_batched_tokens: int | None, threads: int | None, nice: int) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"kvpilot-tuning-bench-{port}.log", "w")
@@ -110,7 +112,7 @@ class EngineServer:
             "--device", "cpu", "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024",
             # A CPU prefill chunk of thousands of tokens stalls every decode in its step for
             # seconds; a small step budget keeps ITL about the batch, as on a GPU.
-            "--max-num-batched-tokens", str(max(max_num_batched_tokens, max_seqs_ever)),
+            "--max-num-batched-tokens", str(max(max_num_batched_tokens or 2 * max_seqs_ever, max_seqs_ever)),
             # Sized for the largest setting, so KV space never decides the sweep.
             "--kv-cache-memory", f"{max(256, max_seqs_ever * 16)}MiB",
             "--max-waiting-requests", "100000", "--admin-token", ADMIN_TOKEN, "--log-level", "warning",

@@ -85,6 +85,7 @@ class TunerConfig:
     max_growth: float = 2.0  # at most ×2 per interval upwards
     max_backoff: float = 0.25  # at most ÷4 per interval downwards
     hysteresis: float = 0.05  # ignore upward moves smaller than this fraction of max_num_seqs
+    probe: float = 0.25  # a fitted best this many sequences above a small setting: try one more
     cooldown_seconds: float = 0.0  # between max_num_seqs changes (windows restart anyway)
     saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
     drain_slack: float = 1.1  # batch above this × max_num_seqs: still draining a decrease
@@ -362,6 +363,11 @@ def tune(
             limit_text = f"; {bad} {bad_why} recently"
             limits.append(cap)
     new = bounds.clamp_seqs(min(limits))
+    if new == m and min(limits) >= m + config.probe:
+        # Settings are whole sequences: a best fitted between m and m + 1 would round down to
+        # m forever, while at small m one more sequence is a real step (hysteresis still rules
+        # it out where it is not). The next window checks it.
+        new = bounds.clamp_seqs(m + 1)
     if m == bounds.max_num_seqs:
         return decide(params, f"{where} meets {slo_text}; max_num_seqs is at its upper bound {m}: holding")
     if new - m < max(1, config.hysteresis * m):

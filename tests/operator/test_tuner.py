@@ -153,6 +153,22 @@ def test_one_stalled_window_does_not_rule_a_setting_out():
     assert engine.throughput(final.max_num_seqs) >= 0.9 * engine.oracle(SLO, BOUNDS), seqs
 
 
+def test_a_fitted_best_a_fraction_above_a_small_setting_tries_one_more_sequence():
+    # Run 13 of benchmarks/tuning.py: a quick window at batch 2 and a slow one at 4 fit a best
+    # of ~4.4, which rounded down to 4 held the tuner there for three intervals.
+    params = EngineParams(max_num_seqs=2, gpu_memory_utilization=0.9, max_num_batched_tokens=256)
+    first = tune(observation(mean_running_per_pod=2.0, running=2.0, itl_p99=0.052, max_num_seqs=2),
+                 params, SLO, BOUNDS, TuningHistory(), now=15.0)
+    assert first.params.max_num_seqs == 4
+    second = tune(observation(mean_running_per_pod=4.0, running=4.0, itl_p99=0.088, max_num_seqs=4),
+                  first.params, SLO, BOUNDS, first.history, now=30.0)
+    assert second.params.max_num_seqs == 5, second.reason
+    # Where one sequence is inside the hysteresis band, a fraction of headroom still holds.
+    large = tune(observation(mean_running_per_pod=60.0, running=60.0, itl_p99=0.093, max_num_seqs=60),
+                 replace(params, max_num_seqs=60), SLO, BOUNDS, TuningHistory(), now=15.0)
+    assert large.params.max_num_seqs == 60 and "within 5%" in large.reason, large.reason
+
+
 @pytest.mark.parametrize("start", [2, 256])
 def test_respects_bounds(start):
     bounds = Bounds(min_num_seqs=4, max_num_seqs=48, min_gpu_memory_utilization=0.8, max_gpu_memory_utilization=0.95)
