@@ -14,8 +14,8 @@ would make every step's latency about the chunk, not the batch.
    closed-loop runs and once after (in reverse order), and the two are averaged, so drift in
    the machine's other load does not favour either side. The oracle is the best
    output-token throughput whose (averaged) ITL P99 meets the SLO. The SLO, fixed from the
-   first sweep, is ``--slo-ms``, or 100 ms when that puts the optimum in the middle half of
-   the grid, or else one that puts the optimum at the knee of the throughput curve.
+   first sweep, is ``--slo-ms``, or 100 ms unless that puts the optimum at an end of the
+   grid, or else one that puts the optimum at the knee of the throughput curve.
 2. Closed loop: the tuner (kvpilot.operator.tuner) fed by the operator's metrics code
    (kvpilot.operator.metrics), applying its decisions through the admin endpoint exactly
    as the operator does, from the smallest and from the largest grid setting.
@@ -200,9 +200,9 @@ def average(a: Interval, b: Interval) -> Interval:
 
 
 def choose_slo(points: list[Interval], given_ms: float | None) -> float:
-    """The ITL P99 SLO: given, or 100 ms if that leaves the optimum in the middle half of the
-    grid, or else one that puts the optimum at the knee (the first setting within 10% of the best
-    throughput)."""
+    """The ITL P99 SLO: given, or 100 ms (issue 7's figure) unless that puts the optimum at an end
+    of the grid, or else one that puts the optimum at the knee (the first setting within 10% of
+    the best throughput)."""
     if given_ms is not None:
         return given_ms / 1000
     if _interior(points, 0.100):
@@ -216,12 +216,9 @@ def choose_slo(points: list[Interval], given_ms: float | None) -> float:
 
 
 def _interior(points: list[Interval], slo: float) -> bool:
-    """Whether the oracle under this SLO sits in the middle half of the grid, away from both ends."""
+    """Whether the oracle under this SLO is neither the smallest nor the largest setting."""
     best = oracle_point(points, slo)
-    if best is None:
-        return False
-    index = [p.max_num_seqs for p in points].index(best.max_num_seqs)
-    return len(points) // 4 <= index < len(points) - len(points) // 4
+    return best is not None and points[0].max_num_seqs < best.max_num_seqs < points[-1].max_num_seqs
 
 
 def oracle_point(points: list[Interval], slo: float) -> Interval | None:
