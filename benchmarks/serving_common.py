@@ -96,7 +96,9 @@ class PoissonLoad:
     async def _run(self) -> None:
         in_flight: set[asyncio.Task] = set()
         timeout = aiohttp.ClientTimeout(total=3600)
-        connector = aiohttp.TCPConnector(limit=self.max_in_flight)
+        # Idle connections go back before uvicorn's 5 s keep-alive closes them: a request sent on
+        # one just as the server closes it fails in the client without reaching the engine.
+        connector = aiohttp.TCPConnector(limit=self.max_in_flight, keepalive_timeout=3.0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             while not self._stop.is_set():
                 await asyncio.sleep(self.rng.expovariate(self.rate))
