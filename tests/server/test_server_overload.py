@@ -84,8 +84,9 @@ def test_dead_engine_loop_turns_health_to_503(live_server_factory, monkeypatch):
 
 
 def test_drain_aborts_requests_that_outlive_the_grace_period(live_server_factory):
-    live = live_server_factory(shutdown_grace_period=0.3)
-    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # 480 tokens take the tiny model about half a second on a fast core: far beyond 0.05 s.
+    live = live_server_factory(shutdown_grace_period=0.05)
+    body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         while not next(lines).startswith("data:"):
