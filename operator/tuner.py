@@ -320,8 +320,10 @@ def tune(
     if itl_now > slo_itl:
         if itl_now <= slo_itl * (1 + config.margin) and len(current) < 2:
             return decide(params, f"{where} is marginally over {slo_text}: confirming over one more window")
-        # Trust the fit only where it agrees that the current batch is too large.
-        fitted = fit.batch_for(target_itl) if fit else None
+        # Trust the fit only where it agrees that the current batch is too large, and where its
+        # line admits some batch at all: an intercept over the target comes from noisy windows
+        # far up the curve (run 16: 13 → 3), and scaling the batch by the excess is safer.
+        fitted = fit.batch_for(target_itl) if fit and fit.intercept < target_itl else None
         target = fitted if fitted is not None and fitted < batch_now else batch_now * target_itl / itl_now
         floor = max(m * config.max_backoff, good if good is not None and good < m else 0)
         new = bounds.clamp_seqs(min(max(target, floor), m - 1))

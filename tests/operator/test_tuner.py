@@ -169,6 +169,18 @@ def test_a_fitted_best_a_fraction_above_a_small_setting_tries_one_more_sequence(
     assert large.params.max_num_seqs == 60 and "within 5%" in large.reason, large.reason
 
 
+def test_a_fit_whose_intercept_exceeds_the_target_does_not_drive_the_back_off():
+    # Run 16 of benchmarks/tuning.py: noisy windows at 36, 22 and 13 fitted ITL ≈ 104 + 1.5·batch ms,
+    # over the 95 ms target at any batch, and the back-off from 13 went to the floor, 3.
+    history = TuningHistory()
+    for step, (m, itl) in enumerate([(36, 0.149), (22, 0.153), (13, 0.119)]):
+        params = EngineParams(max_num_seqs=m, gpu_memory_utilization=0.9, max_num_batched_tokens=256)
+        obs = observation(mean_running_per_pod=float(m), running=float(m), itl_p99=itl, max_num_seqs=m)
+        decision = tune(obs, params, SLO, BOUNDS, history, now=15.0 * (step + 1))
+        history = decision.history
+    assert decision.params.max_num_seqs == 10, decision.reason  # 13 × 95 / 119, by the excess
+
+
 @pytest.mark.parametrize("start", [2, 256])
 def test_respects_bounds(start):
     bounds = Bounds(min_num_seqs=4, max_num_seqs=48, min_gpu_memory_utilization=0.8, max_gpu_memory_utilization=0.95)
