@@ -35,6 +35,7 @@ from pathlib import Path
 from kvpilot.localcluster import testing
 from kvpilot.operator import builders
 from kvpilot.operator.kube import Kube
+from kvpilot.operator.status import pod_ready
 from serving_common import PoissonLoad, generated_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,11 +72,6 @@ def parse_args() -> argparse.Namespace:
     if args.max_replicas < 2:
         parser.error("--max-replicas must be at least 2, or there is nothing to scale")
     return args
-
-
-def _ready(pod: dict) -> bool:
-    conditions = pod.get("status", {}).get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions) and bool(pod["status"].get("podIP"))
 
 
 @dataclass
@@ -115,7 +111,8 @@ class Watcher:
     def _poll(self) -> None:
         service = self.kube.get_inference_service(NAMESPACE, NAME) or {}
         pods = self.kube.list("v1", "Pod", NAMESPACE, label_selector=builders.selector_string(NAME))
-        ready = [p for p in pods if _ready(p) and not p["metadata"].get("deletionTimestamp")]
+        ready = [p for p in pods if pod_ready(p) and p["status"].get("podIP")
+                 and not p["metadata"].get("deletionTimestamp")]
         self.targets = [f"http://{p['status']['podIP']}:{builders.ENGINE_PORT}" for p in ready]
         desired = (service.get("spec") or {}).get("replicas", 1)
         self.samples.append(Sample(time.time() - self.start, desired, len(ready), len(pods)))
