@@ -97,11 +97,13 @@ def model_mount(spec: InferenceServiceSpec, image: str, container_security: dict
             volume_mounts=[{"name": "model", "mountPath": MODEL_ROOT, "readOnly": True}],
         )
     if uri.startswith("file:///"):
-        # Mounted at its own path, so the engine's argument reads the same as the URI.
+        # Mounted at its own path, so the engine's argument reads the same as the URI. A .gguf
+        # URI names a single-file model (the engine reads it without a folder around it).
         host_path = "/" + uri[len("file:///"):].rstrip("/")
+        host_type = "File" if host_path.lower().endswith(".gguf") else "Directory"
         return ModelMount(
             path=host_path,
-            volumes=[{"name": "model", "hostPath": {"path": host_path, "type": "Directory"}}],
+            volumes=[{"name": "model", "hostPath": {"path": host_path, "type": host_type}}],
             volume_mounts=[{"name": "model", "mountPath": host_path, "readOnly": True}],
         )
     if uri.startswith("hf://"):
