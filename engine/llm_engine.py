@@ -10,12 +10,10 @@ drives it (the server serialises add/abort through its own loop).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -33,7 +31,7 @@ from kvpilot.engine.config import (
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.model_runner import ModelRunner
-from kvpilot.engine.models import ModelArch, load_model, load_tokenizer, read_model_arch
+from kvpilot.engine.models import ModelArch, load_model, load_tokenizer, read_model_arch, saved_dtype
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpilot.engine.request import InvalidRequestError, Request, RequestStatus
 from kvpilot.engine.sampler import Sampler, SamplingInput
@@ -472,14 +470,12 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-def _resolve_dtype(dtype: str, model_dir: str, device: str) -> str:
+def _resolve_dtype(dtype: str, model_path: str, device: str) -> str:
     if dtype != "auto":
         if dtype == "float16" and device == "cpu":
             raise ConfigError("dtype: float16 is not supported on CPU; use bfloat16 or float32")
         return dtype
-    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    # transformers 5 writes "dtype", 4.x "torch_dtype".
-    saved = config.get("dtype") or config.get("torch_dtype")
+    saved = saved_dtype(model_path)
     if saved in _TORCH_DTYPES and not (saved == "float16" and device == "cpu"):
         return saved
     return "bfloat16" if device == "cuda" else "float32"

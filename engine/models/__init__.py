@@ -1,7 +1,14 @@
-"""Llama-family models (Llama 2/3, Mistral, Qwen2) loaded from local Hugging Face folders."""
+"""Llama-family models (Llama 2/3, Mistral, Qwen2) loaded from local Hugging Face folders or GGUF files."""
 
-from kvpilot.engine.models.config import SUPPORTED_ARCHITECTURES, ModelArch, RopeScaling, read_model_arch
+from kvpilot.engine.models.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelArch,
+    RopeScaling,
+    read_model_arch,
+    saved_dtype,
+)
 from kvpilot.engine.models.errors import ModelLoadError
+from kvpilot.engine.models.gguf_file import is_gguf_path
 from kvpilot.engine.models.llama import CausalLM
 from kvpilot.engine.models.loader import SUPPORTED_DTYPES, load_model, load_tokenizer
 
@@ -12,7 +19,9 @@ __all__ = [
     "ModelArch",
     "ModelLoadError",
     "RopeScaling",
+    "is_gguf_path",
     "load_model",
     "load_tokenizer",
     "read_model_arch",
+    "saved_dtype",
 ]

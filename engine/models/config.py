@@ -1,4 +1,5 @@
-"""ModelArch: the architecture facts the engine needs, parsed once from a HF config.json."""
+"""ModelArch: the architecture facts the engine needs, parsed once from a HF config.json
+(or from a GGUF file's metadata: engine/models/gguf_config.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.engine.models.errors import ModelLoadError
+from kvpilot.engine.models.gguf_file import GGUFFile, is_gguf_path
 
 # HF `architectures` entry -> the family it belongs to.
 SUPPORTED_ARCHITECTURES = {
@@ -56,18 +58,41 @@ class ModelArch:
         return 1.0 / math.sqrt(self.head_dim)
 
 
-def read_model_arch(model_dir: str | Path) -> ModelArch:
-    """Parse ``config.json`` (and ``generation_config.json`` for extra EOS ids) in model_dir."""
-    model_dir = Path(model_dir)
+def read_model_arch(model_path: str | Path) -> ModelArch:
+    """The architecture of the model at model_path: a .gguf file's metadata, or a Hugging Face
+    folder's ``config.json`` (and ``generation_config.json`` for extra EOS ids)."""
+    if is_gguf_path(model_path):
+        # gguf_config builds on this module's ModelArch, hence the late import.
+        from kvpilot.engine.models.gguf_config import gguf_model_arch
+
+        return gguf_model_arch(GGUFFile(model_path))
+    model_dir = Path(model_path)
     if not model_dir.is_dir():
         raise ModelLoadError(
-            f"model folder {str(model_dir)!r} does not exist or is not a directory; pass the path of a "
-            "Hugging Face model folder (config.json, *.safetensors, tokenizer files), e.g. one written "
-            "by `kvpilot make-model`"
+            f"model {str(model_dir)!r} does not exist or is neither a directory nor a GGUF file; pass the path of "
+            "a Hugging Face model folder (config.json, *.safetensors, tokenizer files), e.g. one written by "
+            "`kvpilot make-model`, or of a .gguf file, e.g. one fetched by `kvpilot fetch-model`"
+        )
+    gguf_files = sorted(p.name for p in model_dir.glob("*.gguf"))
+    if gguf_files and not (model_dir / "config.json").is_file():
+        raise ModelLoadError(
+            f"{model_dir} holds GGUF file(s) ({', '.join(gguf_files)}) but no config.json; pass the .gguf "
+            f"file itself, e.g. {model_dir / gguf_files[0]}"
         )
     config = _read_json(model_dir / "config.json", required=True)
     generation_config = _read_json(model_dir / "generation_config.json", required=False) or {}
     return parse_model_arch(config, generation_config, source=str(model_dir / "config.json"))
+
+
+def saved_dtype(model_path: str | Path) -> str | None:
+    """The dtype a Hugging Face folder's config.json records ("bfloat16", ...); None for GGUF files,
+    whose quantized weights have no one float type, and when the config names none."""
+    if is_gguf_path(model_path):
+        return None
+    config = _read_json(Path(model_path) / "config.json", required=True) or {}
+    # transformers 5 writes "dtype", 4.x "torch_dtype".
+    saved = config.get("dtype") or config.get("torch_dtype")
+    return saved if isinstance(saved, str) else None
 
 
 def parse_model_arch(config: dict[str, Any], generation_config: dict[str, Any], source: str) -> ModelArch:

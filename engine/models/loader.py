@@ -1,4 +1,5 @@
-"""Load a Hugging Face model folder (config.json + safetensors, sharded or not) into CausalLM."""
+"""Load a model into CausalLM: a Hugging Face folder (config.json + safetensors, sharded or not)
+or a single GGUF file (engine/models/gguf_weights.py), told apart by the path."""
 
 from __future__ import annotations
 
@@ -10,24 +11,30 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvpilot.engine.models.config import ModelArch, read_model_arch
+from kvpilot.engine.models.config import read_model_arch
 from kvpilot.engine.models.errors import ModelLoadError
-from kvpilot.engine.models.llama import CausalLM, DecoderLayer
+from kvpilot.engine.models.gguf_file import is_gguf_path
+from kvpilot.engine.models.llama import CausalLM
+from kvpilot.engine.models.weight_targets import weight_targets
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """Build the model described by model_dir/config.json and fill it from its safetensors."""
+def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """Build the model at model_path (a Hugging Face folder or a .gguf file) and fill its weights."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {dtype}")
-    model_dir = Path(model_dir)
+    if is_gguf_path(model_path):
+        from kvpilot.engine.models.gguf_weights import load_gguf_model
+
+        return load_gguf_model(model_path, dtype, device)
+    model_dir = Path(model_path)
     arch = read_model_arch(model_dir)
     device = torch.device(device)
     model = CausalLM(arch, dtype, device)
-    targets = _weight_targets(model)
+    targets = weight_targets(model)
     filled: set[str] = set()
     with ExitStack() as stack:
         for hf_name, handle in _open_weights(model_dir, stack):
@@ -51,9 +58,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     return model.eval()
 
 
-def load_tokenizer(model_dir: str | Path):
-    """The folder's fast tokenizer (transformers ``PreTrainedTokenizerFast``)."""
-    model_dir = Path(model_dir)
+def load_tokenizer(model_path: str | Path):
+    """The model's fast tokenizer (transformers), from the folder's files or the GGUF file's metadata."""
+    if is_gguf_path(model_path):
+        from kvpilot.engine.models.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(model_path)
+    model_dir = Path(model_path)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder {str(model_dir)!r} does not exist or is not a directory")
     if not (model_dir / "tokenizer.json").is_file():
@@ -70,41 +81,6 @@ def load_tokenizer(model_dir: str | Path):
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"the tokenizer in {model_dir} is not a fast tokenizer; kvpilot needs tokenizer.json")
     return tokenizer
-
-
-def _weight_targets(model: CausalLM) -> dict[str, tuple[torch.nn.Parameter, slice]]:
-    """HF tensor name -> (our parameter, the rows of it that tensor fills)."""
-    arch: ModelArch = model.arch
-    everything = slice(None)
-    targets: dict[str, tuple[torch.nn.Parameter, slice]] = {
-        "model.embed_tokens.weight": (model.embed_tokens, everything),
-        "model.norm.weight": (model.norm, everything),
-    }
-    if model.lm_head is not None:
-        targets["lm_head.weight"] = (model.lm_head, everything)
-    inter = arch.intermediate_size
-    for i, layer in enumerate(model.layers):
-        assert isinstance(layer, DecoderLayer)
-        p = f"model.layers.{i}."
-        q, kv = layer.q_size, layer.kv_size
-        qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
-        for name, rows in qkv_rows.items():
-            targets[f"{p}self_attn.{name}.weight"] = (layer.qkv_proj, rows)
-            if layer.qkv_bias is not None:
-                targets[f"{p}self_attn.{name}.bias"] = (layer.qkv_bias, rows)
-        targets[f"{p}self_attn.o_proj.weight"] = (layer.o_proj, everything)
-        targets[f"{p}mlp.gate_proj.weight"] = (layer.gate_up_proj, slice(0, inter))
-        targets[f"{p}mlp.up_proj.weight"] = (layer.gate_up_proj, slice(inter, 2 * inter))
-        targets[f"{p}mlp.down_proj.weight"] = (layer.down_proj, everything)
-        targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm, everything)
-        targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm, everything)
-        if layer.o_bias is not None:
-            targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, everything)
-        if layer.gate_up_bias is not None and layer.down_bias is not None:
-            targets[f"{p}mlp.gate_proj.bias"] = (layer.gate_up_bias, slice(0, inter))
-            targets[f"{p}mlp.up_proj.bias"] = (layer.gate_up_bias, slice(inter, 2 * inter))
-            targets[f"{p}mlp.down_proj.bias"] = (layer.down_bias, everything)
-    return targets
 
 
 def _open_weights(model_dir: Path, stack: ExitStack) -> Iterator[tuple[str, object]]:
