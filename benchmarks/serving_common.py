@@ -1,6 +1,8 @@
-"""What the serving benchmarks (tuning.py, autoscaling.py) share: a generated model, open-loop load.
+"""What the serving benchmarks (serving.py, tuning.py, autoscaling.py) share.
 
 ``generated_model`` writes a random Llama model of a preset size once and reuses it.
+``ServerProcess`` runs one OpenAI-compatible server (kvpilot's or a peer's) as a subprocess on
+127.0.0.1 and waits for its /health.
 
 ``PoissonLoad`` sends Poisson arrivals of OpenAI completions at ``rate`` per second (it may change
 while running, for load steps) whether or not earlier requests have finished, up to
@@ -16,9 +18,14 @@ serves them.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import socket
+import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +53,54 @@ def generated_model(preset: str, seed: int) -> Path:
         make_model(tmp, preset=preset, arch="llama", seed=seed)
         tmp.rename(path)
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """One server subprocess listening on 127.0.0.1:``port``; its output goes to a log file."""
+
+    def __init__(self, name: str, command: list[str], port: int, env: dict[str, str] | None = None,
+                 cwd: str | None = None) -> None:
+        self.name = name
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvpilot-bench-{name}-{port}.log"
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=env, cwd=cwd, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        """SIGTERM the server's whole process group (peers fork workers), then SIGKILL after 30 s."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # workers left behind by the server
+        except ProcessLookupError:
+            pass
+        self.log.close()
 
 
 @dataclass

@@ -38,8 +38,6 @@ import json
 import math
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -50,7 +48,7 @@ import aiohttp
 from kvpilot.operator import tuner
 from kvpilot.operator.metrics import MetricsCollector, Observation
 from kvpilot.operator.tuning import settle_seconds
-from serving_common import PoissonLoad, generated_model
+from serving_common import PoissonLoad, ServerProcess, free_port, generated_model
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 ADMIN_TOKEN = "benchmark-admin-token-0123456789abcdef"
@@ -92,64 +90,27 @@ def model_path(args: argparse.Namespace) -> Path:
     return args.model if args.model is not None else generated_model("small", args.seed)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class EngineServer:
+def engine_server(model: Path, port: int, max_num_seqs: int, max_seqs_ever: int, dtype: str,
+                  max_num_batched_tokens: int | None, threads: int | None, nice: int) -> ServerProcess:
     """A `kvpilot serve` subprocess on 127.0.0.1 with the admin API on."""
-
-    def __init__(self, model: Path, port: int, max_num_seqs: int, max_seqs_ever: int, dtype: str,
-                 max_num_batched_tokens: int | None, threads: int | None, nice: int) -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"kvpilot-tuning-bench-{port}.log", "w")
-        command = [
-            sys.executable, "-m", "kvpilot", "serve", str(model),
-            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "small",
-            "--device", "cpu", "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024",
-            # A CPU prefill chunk of thousands of tokens stalls every decode in its step for
-            # seconds; a small step budget keeps ITL about the batch, as on a GPU.
-            "--max-num-batched-tokens", str(max(max_num_batched_tokens or 2 * max_seqs_ever, max_seqs_ever)),
-            # Sized for the largest setting, so KV space never decides the sweep.
-            "--kv-cache-memory", f"{max(256, max_seqs_ever * 16)}MiB",
-            "--max-waiting-requests", "100000", "--admin-token", ADMIN_TOKEN, "--log-level", "warning",
-        ]
-        env = dict(os.environ)
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)  # fewer threads than busy cores beat spinning barriers
-        if nice:
-            # Other processes share the cores: a higher priority keeps their bursts out of the P99.
-            command = ["nice", "-n", str(nice), *command]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        import urllib.request
-
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvpilot serve exited with {self.process.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"kvpilot serve not healthy after {timeout:.0f} s; see {self.log.name}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
+    command = [
+        sys.executable, "-m", "kvpilot", "serve", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "small",
+        "--device", "cpu", "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024",
+        # A CPU prefill chunk of thousands of tokens stalls every decode in its step for
+        # seconds; a small step budget keeps ITL about the batch, as on a GPU.
+        "--max-num-batched-tokens", str(max(max_num_batched_tokens or 2 * max_seqs_ever, max_seqs_ever)),
+        # Sized for the largest setting, so KV space never decides the sweep.
+        "--kv-cache-memory", f"{max(256, max_seqs_ever * 16)}MiB",
+        "--max-waiting-requests", "100000", "--admin-token", ADMIN_TOKEN, "--log-level", "warning",
+    ]
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)  # fewer threads than busy cores beat spinning barriers
+    if nice:
+        # Other processes share the cores: a higher priority keeps their bursts out of the P99.
+        command = ["nice", "-n", str(nice), *command]
+    return ServerProcess("kvpilot-tuning", command, port, env=env)
 
 
 async def set_max_num_seqs(session: aiohttp.ClientSession, url: str, value: int) -> None:
@@ -358,7 +319,7 @@ def main() -> int:
     port = args.port or free_port()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below
     load_before = os.getloadavg()[0]
-    server = EngineServer(model, port, args.grid[0], args.grid[-1], args.dtype, args.max_num_batched_tokens,
+    server = engine_server(model, port, args.grid[0], args.grid[-1], args.dtype, args.max_num_batched_tokens,
                           args.engine_threads, args.nice)
     load = None
     try:
