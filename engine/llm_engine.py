@@ -10,7 +10,9 @@ drives it (the server serialises add/abort through its own loop).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -41,6 +43,9 @@ from kvpilot.engine.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A file to append one JSON line per step to (its composition and duration), for finding which
+# steps make the latency tail under a serving load; see docs/performance.md.
+STEP_TRACE_ENV = "KVPILOT_STEP_TRACE"
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,8 @@ class LLMEngine:
         self._kv_tokens_stored_sum = 0
         self._kv_slots_held_sum = 0
         self._step_seconds_total = 0.0
+        trace_path = os.environ.get(STEP_TRACE_ENV)
+        self._step_trace = open(trace_path, "a", buffering=1, encoding="utf-8") if trace_path else None
 
     # ----------------------------------------------------------------- start-up
 
@@ -289,6 +296,7 @@ class LLMEngine:
         self._steps_total += 1
         self._step_running_seqs_total += len(step.requests)
 
+        forward_before = self.runner.forward_seconds
         result = self.runner.execute(step)
 
         now = time.monotonic()
@@ -324,8 +332,26 @@ class LLMEngine:
                 for sequence in state.sequences:
                     del sequences[sequence.request.request_id]
             outputs.append(self._make_output(state))
-        self._step_seconds_total += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self._step_seconds_total += elapsed
+        if self._step_trace is not None:
+            self._write_step_trace(step, start, elapsed, forward_before)
         return outputs
+
+    def _write_step_trace(self, step, start: float, elapsed: float, forward_before: float) -> None:
+        decode_rows = sum(1 for n in step.num_scheduled_tokens if n == 1)
+        record = {
+            "t": round(start, 6),
+            "seconds": round(elapsed, 6),
+            "forward_seconds": round(self.runner.forward_seconds - forward_before, 6),
+            "decode_rows": decode_rows,
+            "prefill_seqs": len(step.num_scheduled_tokens) - decode_rows,
+            "prefill_tokens": step.total_num_scheduled_tokens - decode_rows,
+            "context_tokens": sum(step.num_computed_before),
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+        }
+        self._step_trace.write(json.dumps(record) + "\n")
 
     def stats(self) -> EngineStats:
         manager = self.kv_cache_manager
