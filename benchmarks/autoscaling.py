@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvpilot.engine_contract import ENGINE_PORT
 from kvpilot.localcluster import testing
 from kvpilot.operator import builders
 from kvpilot.operator.kube import Kube
@@ -113,7 +114,7 @@ class Watcher:
         pods = self.kube.list("v1", "Pod", NAMESPACE, label_selector=builders.selector_string(NAME))
         ready = [p for p in pods if pod_ready(p) and p["status"].get("podIP")
                  and not p["metadata"].get("deletionTimestamp")]
-        self.targets = [f"http://{p['status']['podIP']}:{builders.ENGINE_PORT}" for p in ready]
+        self.targets = [f"http://{p['status']['podIP']}:{ENGINE_PORT}" for p in ready]
         desired = (service.get("spec") or {}).get("replicas", 1)
         self.samples.append(Sample(time.time() - self.start, desired, len(ready), len(pods)))
 

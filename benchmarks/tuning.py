@@ -17,7 +17,7 @@ would make every step's latency about the chunk, not the batch.
    first sweep, is ``--slo-ms``, or 100 ms unless that puts the optimum at an end of the
    grid, or else one that puts the optimum at the knee of the throughput curve.
 2. Closed loop: the tuner (kvpilot.operator.tuner) fed by the operator's metrics code
-   (kvpilot.operator.metrics), applying its decisions through the admin endpoint exactly
+   (kvpilot.operator.engine_metrics), applying its decisions through the admin endpoint exactly
    as the operator does, from the smallest and from the largest grid setting.
 
 Autoscaling has its own benchmark, on the local cluster: benchmarks/autoscaling.py.
@@ -46,8 +46,10 @@ from pathlib import Path
 import aiohttp
 
 from kvpilot.operator import tuner
-from kvpilot.operator.metrics import MetricsCollector, Observation
-from kvpilot.operator.tuning import settle_seconds
+from kvpilot.operator.engine_client import EngineClient
+from kvpilot.operator.engine_metrics import MetricsCollector, Observation
+from kvpilot.operator.plan import settle_seconds
+from kvpilot.operator.spec import EngineSettings, MaxNumSeqsBounds, Slo, Tuning
 from serving_common import PoissonLoad, ServerProcess, free_port, generated_model
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -144,9 +146,9 @@ async def sweep(url: str, grid: list[int], warmup: float, measure: float) -> lis
             await set_max_num_seqs(session, url, m)
             await asyncio.sleep(warmup)
             collector.windows.clear()
-            await collector.collect({"engine": f"{url}/metrics"})
+            collector.ingest(EngineClient().scrape({"engine": url}), time.time())
             await asyncio.sleep(measure)
-            obs = (await collector.collect({"engine": f"{url}/metrics"})).service
+            obs = collector.ingest(EngineClient().scrape({"engine": url}), time.time()).service
             point = summarize(obs, m, time.time())
             points.append(point)
             print(f"  max_num_seqs {m:4d}: {point.tokens_per_second:7.1f} tok/s, ITL P99 "
@@ -187,34 +189,34 @@ def oracle_point(points: list[Interval], slo: float) -> Interval | None:
     return max(meeting, key=lambda p: p.tokens_per_second, default=None)
 
 
-async def closed_loop(url: str, start: int, slo: float, bounds: tuner.Bounds, interval: float,
+async def closed_loop(url: str, start: int, slo: float, bounds: MaxNumSeqsBounds, interval: float,
                       intervals: int) -> list[Interval]:
     """The operator's loop for one pod: scrape → tune → apply through the admin endpoint."""
     collector = MetricsCollector(window_seconds=2 * interval)
-    params = tuner.EngineParams(max_num_seqs=start, gpu_memory_utilization=0.9)
+    params = EngineSettings(max_num_seqs=start, gpu_memory_utilization=0.9)
     history = tuner.TuningHistory()
     trace = []
     async with aiohttp.ClientSession() as session:
         await set_max_num_seqs(session, url, start)
         await settle(session, url, start)
         began = time.time()
-        await collector.collect({"engine": f"{url}/metrics"})
+        collector.ingest(EngineClient().scrape({"engine": url}), time.time())
         await asyncio.sleep(interval)
         for _ in range(intervals):
-            obs = (await collector.collect({"engine": f"{url}/metrics"})).service
+            obs = collector.ingest(EngineClient().scrape({"engine": url}), time.time()).service
             now = time.time()
-            decision = tuner.tune(obs, params, tuner.Slo(itl_p99_seconds=slo), bounds, history, now)
+            decision = tuner.tune(obs, params, Tuning(slo=Slo(itl_p99_seconds=slo), max_num_seqs=bounds), history, now)
             trace.append(summarize(obs, params.max_num_seqs, now - began, decision.reason))
             print(f"  t={now - began:5.0f}s max_num_seqs {params.max_num_seqs:3d}: "
                   f"{trace[-1].tokens_per_second:6.1f} tok/s, ITL P99 {_ms(trace[-1].itl_p99)} | {decision.reason}",
                   flush=True)
-            params, history = decision.params, decision.history
+            params, history = decision.settings, decision.history
             if decision.num_seqs_changed:
                 # As the operator does: the next window starts after the admission burst.
                 await set_max_num_seqs(session, url, params.max_num_seqs)
                 pause = settle_seconds(interval)
                 await asyncio.sleep(pause)
-                await collector.collect({"engine": f"{url}/metrics"})
+                collector.ingest(EngineClient().scrape({"engine": url}), time.time())
                 collector.restart_windows(expect_max_num_seqs=params.max_num_seqs)
                 await asyncio.sleep(interval - pause)
             else:
@@ -224,8 +226,8 @@ async def closed_loop(url: str, start: int, slo: float, bounds: tuner.Bounds, in
 
 async def settle(session: aiohttp.ClientSession, url: str, max_num_seqs: int, timeout: float = 180.0) -> None:
     """Waits until requests admitted under an earlier, larger setting have finished."""
-    from kvpilot import metric_names as names
-    from kvpilot.operator.metrics import parse_snapshot
+    from kvpilot import engine_contract as names
+    from kvpilot.operator.engine_metrics import parse_snapshot
 
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -333,7 +335,7 @@ def main() -> int:
         slo = choose_slo(before, args.slo_ms)
         print(f"SLO: ITL P99 ≤ {slo * 1000:.1f} ms", flush=True)
 
-        bounds = tuner.Bounds(args.grid[0], args.grid[-1], 0.5, 0.95)
+        bounds = MaxNumSeqsBounds(min=args.grid[0], max=args.grid[-1])
         runs = {}
         for start in (args.grid[0], args.grid[-1]):
             print(f"closed loop from max_num_seqs {start}:", flush=True)

@@ -8,6 +8,11 @@ re-measured continuously). Replicas plan to run at ``target_utilization`` of
 that capacity. Until a replica has been saturated once, batch slots stand in
 for tokens: requests running or queued against ``max_num_seqs`` per replica.
 
+Queueing shows up as time to first token: when the TTFT P99 breaks the SLO,
+mostly from waiting for a batch slot, while the inter-token latency meets its
+SLO, the service needs capacity that the batch size cannot give without
+slowing every stream, so the autoscaler asks for at least one more replica.
+
 Up is fast: straight to the replicas the demand needs. Down is slow: the
 highest recommendation of the stabilization window wins, one replica per
 step, and never with a queue. Pods that are Pending because no node has a
@@ -20,7 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from kvpilot.operator.metrics import Observation
+from kvpilot.operator.engine_metrics import Observation
+from kvpilot.operator.spec import Slo
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class ScalingPolicy:
     scale_down_stabilization_seconds: float = 300.0
     scale_down_step: int = 1
     capacity_smoothing: float = 0.5  # weight of the newest capacity measurement
+    slo: Slo | None = None  # the service's latency SLO: a TTFT over it from queueing adds a replica
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -156,13 +163,16 @@ def autoscale(
             raw = current + 1
             basis = f"{demand_text}, capacity not measured yet, requests queued"
         else:
-            return decide(current, f"{demand_text}; capacity not measured yet: holding", history)
+            raw, basis = current, f"{demand_text}; capacity not measured yet"
     else:
         raw = math.ceil(demand / (capacity * policy.target_utilization) - 1e-9)
         basis = (
             f"{demand_text} vs {capacity:.0f} tok/s per replica at {policy.target_utilization:.0%} "
             f"→ {raw} replica(s)"
         )
+    queueing = ttft_breach(observation, policy.slo)
+    if queueing is not None:
+        raw, basis = max(raw, current + 1), f"{basis}; {queueing}"
     raw = min(max(raw, policy.min_replicas), policy.max_replicas)
 
     window_start = now - policy.scale_down_stabilization_seconds
@@ -198,3 +208,17 @@ def autoscale(
         return decide(target, f"{basis}: scaling down {current} → {target}", history)
 
     return decide(current, f"{basis}: holding", history)
+
+
+def ttft_breach(observation: Observation, slo: Slo | None) -> str | None:
+    """Why the TTFT asks for another replica, or None: over its SLO, mostly from queueing, while
+    the inter-token latency meets its SLO (when it does not, the tuner shrinks the batch first)."""
+    if slo is None or slo.ttft_p99_seconds is None or observation.ttft_p99 is None:
+        return None
+    if observation.ttft_p99 <= slo.ttft_p99_seconds or not observation.ttft_from_queueing:
+        return None
+    itl_slo = slo.itl_p99_seconds
+    if itl_slo is not None and (observation.itl_p99 is None or observation.itl_p99 > itl_slo):
+        return None
+    return (f"TTFT P99 {observation.ttft_p99:.2f} s > SLO {slo.ttft_p99_seconds:g} s, "
+            f"{observation.ttft_queue_share:.0%} of it queueing, with ITL within its SLO: one more replica")

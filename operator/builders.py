@@ -1,4 +1,4 @@
-"""Pure functions: an InferenceService's spec (+ tuning state) -> the manifests of its children.
+"""Pure functions: an InferenceService's spec (+ the engine settings in effect) -> its children's manifests.
 
 No I/O here: ``kube.py`` applies what these return (adding owner references),
 and tests read the dicts directly. Children, all named after the service:
@@ -12,24 +12,22 @@ and tests read the dicts directly. Children, all named after the service:
 
 from __future__ import annotations
 
+import base64
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator import tuning_state
+from kvpilot.engine_contract import ADMIN_TOKEN_ENV, ENGINE_PORT, HEALTH_PATH
+from kvpilot.operator import tuning_configmap
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import InferenceServiceSpec
-from kvpilot.operator.tuning_state import TuningState
+from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec
 
-ENGINE_PORT = 8000
 PORT_NAME = "http"
-HEALTH_PATH = "/health"
 CONTAINER_NAME = "engine"
 TUNING_DIR = "/etc/kvpilot/tuning"
-TUNING_FILE = f"{TUNING_DIR}/{tuning_state.TUNING_FILE_KEY}"
+TUNING_FILE = f"{TUNING_DIR}/{tuning_configmap.TUNING_FILE_KEY}"
 MODEL_ROOT = "/mnt/models"
 SCRATCH_DIR = "/tmp"
-ADMIN_TOKEN_ENV = "KVPILOT_ADMIN_TOKEN"
 POD_IP_ENV = "POD_IP"
 ADMIN_TOKEN_KEY = "token"
 # The image's non-root user (see the Dockerfile).
@@ -151,11 +149,11 @@ def served_model_name(name: str, spec: InferenceServiceSpec) -> str:
     return spec.model.served_name or name
 
 
-def engine_args(name: str, spec: InferenceServiceSpec, state: TuningState, model_path: str,
+def engine_args(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings, model_path: str,
                 settings: OperatorSettings) -> list[str]:
     """`kvpilot serve` arguments. maxNumSeqs and maxNumBatchedTokens come from the spec here and are
     overridden at start by the tuning file, so the tuner changing them does not roll the pods; the
-    memory fraction comes from the tuning state, so changing it does."""
+    memory fraction comes from the settings in effect, so changing it does."""
     engine = spec.engine
     args = [
         "serve", model_path,
@@ -163,7 +161,7 @@ def engine_args(name: str, spec: InferenceServiceSpec, state: TuningState, model
         "--port", str(ENGINE_PORT),
         "--served-model-name", served_model_name(name, spec),
         "--max-num-seqs", str(engine.max_num_seqs),
-        "--gpu-memory-utilization", _number(state.gpu_memory_utilization),
+        "--gpu-memory-utilization", _number(in_effect.gpu_memory_utilization),
         "--block-size", str(engine.block_size),
         "--dtype", engine.dtype,
     ]
@@ -214,14 +212,14 @@ def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any
     }
 
 
-def engine_container(name: str, spec: InferenceServiceSpec, state: TuningState, mount: ModelMount,
+def engine_container(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings, mount: ModelMount,
                      image: str, settings: OperatorSettings) -> dict[str, Any]:
     startup_period = 5
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": image,
         "command": ["kvpilot"],
-        "args": engine_args(name, spec, state, mount.path, settings),
+        "args": engine_args(name, spec, in_effect, mount.path, settings),
         "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": [
             {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -254,12 +252,12 @@ def engine_container(name: str, spec: InferenceServiceSpec, state: TuningState, 
     return container
 
 
-def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec, state: TuningState,
+def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec, in_effect: EngineSettings,
                      settings: OperatorSettings) -> dict[str, Any]:
     image = spec.image or settings.engine_image
     mount = model_mount(spec, image, _container_security())
     pod_spec: dict[str, Any] = {
-        "containers": [engine_container(name, spec, state, mount, image, settings)],
+        "containers": [engine_container(name, spec, in_effect, mount, image, settings)],
         "volumes": [
             *mount.volumes,
             {"name": "tuning", "configMap": {"name": tuning_configmap_name(name)}},
@@ -322,12 +320,12 @@ def build_service(name: str, namespace: str) -> dict[str, Any]:
 
 
 def build_tuning_configmap(name: str, namespace: str, spec: InferenceServiceSpec,
-                           state: TuningState) -> dict[str, Any]:
+                           in_effect: EngineSettings) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(tuning_configmap_name(name), namespace, name),
-        "data": tuning_state.configmap_data(state, seed=TuningState.from_engine(spec.engine)),
+        "data": tuning_configmap.configmap_data(in_effect, seed=EngineSettings.of(spec.engine)),
     }
 
 
@@ -355,6 +353,12 @@ def build_admin_secret(name: str, namespace: str, token: str) -> dict[str, Any]:
     }
 
 
+def admin_token(secret: dict[str, Any] | None) -> str | None:
+    """The token in an admin Secret as read back from the API server; None when it is missing."""
+    encoded = ((secret or {}).get("data") or {}).get(ADMIN_TOKEN_KEY)
+    return base64.b64decode(encoded).decode() if encoded else None
+
+
 @dataclass(frozen=True)
 class Children:
     """Everything one reconcile applies (the admin Secret is ensured separately: it is created once)."""
@@ -365,11 +369,11 @@ class Children:
     pdb: dict[str, Any] | None
 
 
-def build_children(name: str, namespace: str, spec: InferenceServiceSpec, state: TuningState,
+def build_children(name: str, namespace: str, spec: InferenceServiceSpec, in_effect: EngineSettings,
                    settings: OperatorSettings) -> Children:
     return Children(
-        configmap=build_tuning_configmap(name, namespace, spec, state),
-        deployment=build_deployment(name, namespace, spec, state, settings),
+        configmap=build_tuning_configmap(name, namespace, spec, in_effect),
+        deployment=build_deployment(name, namespace, spec, in_effect, settings),
         service=build_service(name, namespace),
         pdb=build_pdb(name, namespace, spec),
     )

@@ -36,6 +36,8 @@ PRINTER_COLUMNS = (
      "description": "Generated tokens per second over the last window."},
     {"name": "ITL P99", "type": "number", "jsonPath": ".status.metrics.itlP99Seconds",
      "description": "99th-percentile inter-token latency, seconds."},
+    {"name": "TTFT P99", "type": "number", "jsonPath": ".status.metrics.ttftP99Seconds", "priority": 1,
+     "description": "99th-percentile time to first token, seconds."},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1,
      "description": "Pending, Progressing, Ready, Degraded or Stopped."},
     {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 1,
@@ -98,6 +100,17 @@ _KEY_ORDER = ("description", "type", "format", "enum", "default", "minimum", "ex
               "minLength", "maxLength", "maxItems", "required", "properties", "items")
 
 
+def _written_by_the_operator(node: dict[str, Any]) -> dict[str, Any]:
+    """A status schema: no defaults and no CEL rules, which are for what users write (status.engine
+    shares its model with spec.engine)."""
+    out = {k: v for k, v in node.items() if k not in ("default", "x-kubernetes-validations")}
+    if "properties" in out:
+        out["properties"] = {name: _written_by_the_operator(prop) for name, prop in out["properties"].items()}
+    if isinstance(out.get("items"), dict):
+        out["items"] = _written_by_the_operator(out["items"])
+    return out
+
+
 def _ordered(node: dict[str, Any]) -> dict[str, Any]:
     """Stable, readable key order: description first, nested fields after the scalar constraints."""
     ranked = sorted(node, key=lambda k: (_KEY_ORDER.index(k) if k in _KEY_ORDER else len(_KEY_ORDER), k))
@@ -117,7 +130,7 @@ def build_crd() -> dict[str, Any]:
             "kind": {"type": "string", "description": "InferenceService."},
             "metadata": {"type": "object"},
             "spec": openapi_schema(spec.InferenceServiceSpec),
-            "status": openapi_schema(spec.InferenceServiceStatus),
+            "status": _written_by_the_operator(openapi_schema(spec.InferenceServiceStatus)),
         },
     }
     return {

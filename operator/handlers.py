@@ -5,11 +5,12 @@
   (a deleted child, a lost event) and keeps the status fresh;
 - any change of an engine pod or Deployment -> a status refresh of its
   InferenceService, so Ready and Degraded follow the pods within a second;
-- a daemon per service with tuning or autoscaling -> ``tuning.TuningLoop``.
+- a change of a tuning ConfigMap (the control loop wrote new settings) -> the
+  same reconcile, which renders them into the children and status.engine;
+- a daemon per service with tuning or autoscaling -> ``control_loop.ControlLoop``.
 
 Handlers are registered on an explicit registry by ``register`` (no module
-globals), so the CLI and the tests build the operator the same way. More
-timers (the tuner's) register on the same registry next to these.
+globals), so the CLI and the tests build the operator the same way.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import builders, reconcile, spec, tuning
+from kvpilot.operator import builders, control_loop, operator_metrics, reconcile, spec
+from kvpilot.operator.engine_client import EngineClient
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.settings import OperatorSettings
 
@@ -37,6 +39,7 @@ class OperatorContext:
 
     settings: OperatorSettings
     kube: Kube
+    engines: EngineClient
 
 
 def configure_kopf(kopf_settings: kopf.OperatorSettings, log_level: str) -> None:
@@ -86,6 +89,7 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
                 post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings))
             except Exception:  # the next resync retries; the daemon must outlive API hiccups
                 logger.exception("resync failed")
+        operator_metrics.forget(body["metadata"]["namespace"], body["metadata"]["name"])
 
     @kopf.on.event("apps", "v1", "deployments", labels=child_labels, registry=registry, id="deployment-changed")
     @kopf.on.event("v1", "pods", labels=child_labels, registry=registry, id="pod-changed")
@@ -97,12 +101,22 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
         if outcome.subject is not None:
             post_outcome(outcome.subject, outcome)
 
-    tuning_loop = tuning.TuningLoop(context.kube, context.settings)
+    @kopf.on.event("v1", "configmaps", labels=child_labels, registry=registry, id="tuning-configmap-changed")
+    def tuning_configmap_changed(body: kopf.Body, event: dict[str, Any], namespace: str, **_: Any) -> None:
+        owner_name = (body.get("metadata", {}).get("labels") or {}).get(builders.INSTANCE_LABEL)
+        if event.get("type") is None or not owner_name \
+                or body["metadata"]["name"] != builders.tuning_configmap_name(owner_name):
+            return  # the initial listing: the resume handlers reconcile every service anyway
+        owner = context.kube.get_inference_service(namespace, owner_name)
+        if owner is not None and not owner["metadata"].get("deletionTimestamp"):
+            post_outcome(owner, reconcile.reconcile(context.kube, owner, context.settings))
 
-    @kopf.daemon(*resource, registry=registry, initial_delay=tuning.TICK_SECONDS, cancellation_timeout=30.0,
-                 when=lambda spec, **_: tuning.wants_loop(dict(spec)))
-    def tune_service(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
-        tuning_loop.run(lambda: _plain(body), stopped, tuning.post_events)
+    loop = control_loop.ControlLoop(context.kube, context.engines, context.settings)
+
+    @kopf.daemon(*resource, registry=registry, initial_delay=control_loop.TICK_SECONDS, cancellation_timeout=30.0,
+                 when=lambda spec, **_: control_loop.wants_loop(dict(spec)))
+    def control_service(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
+        loop.run(lambda: _plain(body), stopped, control_loop.post_event)
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

@@ -33,6 +33,7 @@ _PLURALS = {
     ("apps/v1", "Deployment"): "deployments",
     ("apps/v1", "ReplicaSet"): "replicasets",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("coordination.k8s.io/v1", "Lease"): "leases",
     (spec.API_VERSION, spec.KIND): spec.PLURAL,
 }
 
@@ -191,7 +192,7 @@ class Kube:
             raise
         return any(r.get("name") == spec.PLURAL for r in group.get("resources") or [])
 
-    # --- tuning and autoscaling (operator/tuning.py) ------------------------------------
+    # --- autoscaling (operator/control_loop.py) ------------------------------------------
 
     def scale_inference_service(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Sets spec.replicas through the scale subresource (the same door HPA and KEDA use)."""

@@ -1,7 +1,8 @@
 """The level-triggered reconcile: read the world, apply the desired children, report status.
 
 ``reconcile`` never looks at what changed, only at what is: the spec and the
-tuning state give the desired children, server-side apply makes them so (a
+engine settings in effect (the tuning ConfigMap) give the desired children,
+server-side apply makes them so (a
 no-op when they already are), and the status is recomputed from what the
 children report. Running it twice, or after an operator restart, or halfway
 through and again, converges on the same objects. ``refresh_status`` is the
@@ -12,18 +13,17 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import ValidationError
 
-from kvpilot.operator import builders, status, tuning_state
+from kvpilot.operator import builders, operator_metrics, status, tuning_configmap
 from kvpilot.operator.kube import Kube, KubeError
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import InferenceServiceSpec, parse_spec
-from kvpilot.operator.tuning_state import TuningState
+from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec, parse_spec
 
 
 @dataclass
@@ -36,10 +36,6 @@ class Outcome:
     subject: dict[str, Any] | None = None  # the InferenceService as last read, for posting Events
 
 
-def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def spec_error_message(exc: ValidationError) -> str:
     parts = []
     for error in exc.errors():
@@ -48,9 +44,9 @@ def spec_error_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def read_tuning_state(kube: Kube, name: str, namespace: str, spec: InferenceServiceSpec) -> TuningState:
+def read_settings_in_effect(kube: Kube, name: str, namespace: str, spec: InferenceServiceSpec) -> EngineSettings:
     configmap = kube.get("v1", "ConfigMap", namespace, builders.tuning_configmap_name(name))
-    return tuning_state.resolve(spec, (configmap or {}).get("data"))
+    return tuning_configmap.settings_in_effect(spec, (configmap or {}).get("data"))
 
 
 def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings) -> Outcome:
@@ -64,14 +60,14 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings) -> O
         message = spec_error_message(exc)
         outcome.warnings.append((status.INVALID_SPEC, message))
         outcome.status = _write_status(kube, body, status.invalid_spec_status(
-            meta.get("generation"), message, _conditions(body), now_rfc3339()))
+            meta.get("generation"), message, _conditions(body), status.rfc3339(time.time())))
         return outcome
 
     token = secrets.token_urlsafe(32)
     if kube.create_if_missing(builders.build_admin_secret(name, namespace, token), owner=body):
         outcome.actions.append(f"Created Secret {builders.admin_secret_name(name)} (engine admin token)")
-    state = _settle_tuning_state(kube, body, spec, outcome)
-    children = builders.build_children(name, namespace, spec, state, settings)
+    in_effect = _settle_tuning_configmap(kube, body, spec, outcome)
+    children = builders.build_children(name, namespace, spec, in_effect, settings)
     for manifest in (children.service, children.deployment):
         _apply(kube, manifest, body, outcome)
     if children.pdb is not None:
@@ -79,7 +75,7 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings) -> O
     elif kube.delete("policy/v1", "PodDisruptionBudget", namespace, name):
         outcome.actions.append(f"Deleted PodDisruptionBudget {name} (one replica needs none)")
 
-    refreshed = refresh_status(kube, body, spec=spec, state=state)
+    refreshed = refresh_status(kube, body, spec=spec, in_effect=in_effect)
     outcome.warnings.extend(refreshed.warnings)
     outcome.status = refreshed.status
     return outcome
@@ -88,20 +84,20 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings) -> O
 CONFLICT_RETRIES = 3
 
 
-def _settle_tuning_state(kube: Kube, body: dict[str, Any], spec: InferenceServiceSpec,
-                         outcome: Outcome) -> TuningState:
-    """Reads the tuning state and writes the ConfigMap back (seeded or clamped as needed), guarded by
-    its resourceVersion: if the tuner wrote a new state in between, read again rather than undo it."""
+def _settle_tuning_configmap(kube: Kube, body: dict[str, Any], spec: InferenceServiceSpec,
+                             outcome: Outcome) -> EngineSettings:
+    """Reads the settings in effect and writes the ConfigMap back (seeded or clamped as needed), guarded
+    by its resourceVersion: if the tuner wrote new settings in between, read again rather than undo them."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     for attempt in range(CONFLICT_RETRIES):
         configmap = kube.get("v1", "ConfigMap", namespace, builders.tuning_configmap_name(name))
-        state = tuning_state.resolve(spec, (configmap or {}).get("data"))
-        manifest = builders.build_tuning_configmap(name, namespace, spec, state)
+        in_effect = tuning_configmap.settings_in_effect(spec, (configmap or {}).get("data"))
+        manifest = builders.build_tuning_configmap(name, namespace, spec, in_effect)
         if configmap is not None:
             manifest["metadata"]["resourceVersion"] = configmap["metadata"]["resourceVersion"]
         try:
             _apply_over(kube, manifest, body, outcome, configmap)
-            return state
+            return in_effect
         except KubeError as exc:
             if exc.status != 409 or attempt == CONFLICT_RETRIES - 1:
                 raise
@@ -133,7 +129,7 @@ _status_locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(thread
 
 
 def refresh_status(kube: Kube, body: dict[str, Any], *, spec: InferenceServiceSpec | None = None,
-                   state: TuningState | None = None) -> Outcome:
+                   in_effect: EngineSettings | None = None) -> Outcome:
     """Recomputes the status from the children and writes it when it changed. Only the name and
     namespace of ``body`` are read: the service is read afresh."""
     meta = body["metadata"]
@@ -149,8 +145,8 @@ def refresh_status(kube: Kube, body: dict[str, Any], *, spec: InferenceServiceSp
                 spec = parse_spec(body.get("spec") or {})
             except ValidationError:
                 return Outcome(status=body.get("status") or {})  # the next full reconcile reports it
-        if state is None:
-            state = read_tuning_state(kube, name, namespace, spec)
+        if in_effect is None:
+            in_effect = read_settings_in_effect(kube, name, namespace, spec)
         deployment = kube.get("apps/v1", "Deployment", namespace, name)
         pods = kube.list("v1", "Pod", namespace, label_selector=builders.selector_string(name))
         unready = {p["metadata"]["name"] for p in pods if not status.pod_ready(p)}
@@ -158,9 +154,10 @@ def refresh_status(kube: Kube, body: dict[str, Any], *, spec: InferenceServiceSp
         new_status = status.compute_status(
             name=name, namespace=namespace, spec=spec,
             generation=applied_generation or body["metadata"].get("generation"),
-            state=state, deployment=deployment, pods=pods, events=events,
-            previous_conditions=_conditions(body), now=now_rfc3339(),
+            settings=in_effect, deployment=deployment, pods=pods, events=events,
+            previous_conditions=_conditions(body), now=status.rfc3339(time.time()),
         )
+        operator_metrics.record_replicas(namespace, name, spec.replicas, new_status["readyReplicas"])
         return Outcome(warnings=_new_problems(body, new_status), status=_write_status(kube, body, new_status),
                        subject=body)
 

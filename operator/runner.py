@@ -8,7 +8,8 @@ from typing import Any
 import kopf
 from kubernetes import client as k8s_client
 
-from kvpilot.operator import handlers, telemetry
+from kvpilot.operator import handlers, operator_metrics
+from kvpilot.operator.engine_client import EngineClient
 from kvpilot.operator.kube import Kube, KubeError, load_api_client
 from kvpilot.operator.settings import OperatorSettings
 
@@ -44,7 +45,7 @@ def build_registry(settings: OperatorSettings, kube: Kube,
     def login(**_: Any) -> kopf.ConnectionInfo:
         return connection_info(configuration)
 
-    handlers.register(registry, handlers.OperatorContext(settings=settings, kube=kube))
+    handlers.register(registry, handlers.OperatorContext(settings=settings, kube=kube, engines=EngineClient()))
     return registry
 
 
@@ -61,7 +62,7 @@ def run_operator(settings: OperatorSettings, *, namespaces: list[str] | None, ku
         raise SystemExit("kvpilot operator: the InferenceService CRD is not installed; apply it first "
                          "(`kvpilot crd | kubectl apply -f -`, or install the Helm chart)")
     registry = build_registry(settings, kube, api_client.configuration)
-    telemetry.serve(settings.metrics_port)
+    operator_metrics.serve(settings.metrics_port)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
     scope = "all namespaces" if namespaces is None else ", ".join(namespaces)
     log.info("kvpilot operator watching %s; engine image %s", scope, settings.engine_image)

@@ -13,6 +13,7 @@ aliases (``max_num_seqs`` is ``maxNumSeqs`` in YAML).
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -170,14 +171,16 @@ class Resources(SpecModel):
     )
 
 
-class EngineParams(SpecModel):
-    """Parameters of the kvpilot engine (`kvpilot serve`). Changing them rolls the pods one at a time."""
+class EngineSettings(SpecModel):
+    """The engine settings the tuner moves: one type from spec.engine through the tuner and the
+    tuning ConfigMap to status.engine. maxNumSeqs and maxNumBatchedTokens reach running engines
+    through their admin API; gpuMemoryUtilization is a pod-template value (changing it rolls pods)."""
 
     max_num_seqs: int = Field(
         default=64, ge=1, le=4096,
         description=(
             "Most requests the engine runs in one batch: higher raises throughput and inter-token latency. "
-            "With tuning enabled this is the starting value, and the tuner moves it within spec.tuning.maxNumSeqs."
+            "With tuning enabled the tuner moves it within spec.tuning.maxNumSeqs, starting from spec.engine's."
         ),
     )
     max_num_batched_tokens: int | None = Field(
@@ -188,10 +191,43 @@ class EngineParams(SpecModel):
         default=0.9,
         description=(
             "Fraction of GPU memory the engine may use in all (weights, activations, KV cache), in (0, 1]. "
-            "With tuning enabled this is the starting value, and the tuner moves it within "
-            "spec.tuning.gpuMemoryUtilization."
+            "With tuning enabled the tuner moves it within spec.tuning.gpuMemoryUtilization, starting from "
+            "spec.engine's."
         ),
     )
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.gpuMemoryUtilization > 0.0 && self.gpuMemoryUtilization <= 1.0",
+            message="engine.gpuMemoryUtilization must be a fraction greater than 0 and at most 1",
+            check=lambda e: 0.0 < e.gpu_memory_utilization <= 1.0,
+            field_path=".gpuMemoryUtilization",
+        ),
+        Rule(
+            cel="!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxNumSeqs",
+            message="engine.maxNumBatchedTokens must be at least engine.maxNumSeqs: each running request needs a token per step",
+            check=lambda e: e.max_num_batched_tokens is None or e.max_num_batched_tokens >= e.max_num_seqs,
+            field_path=".maxNumBatchedTokens",
+        ),
+    )
+
+    @classmethod
+    def of(cls, engine: EngineSettings) -> EngineSettings:
+        """Just the settings of ``engine`` (a spec's EngineParams carries more fields)."""
+        return cls(**{name: getattr(engine, name) for name in cls.model_fields})
+
+    def replace(self, **changes: Any) -> EngineSettings:
+        """A copy with ``changes``, validated (a bare model_copy would skip the rules)."""
+        return type(self).model_validate({**self.model_dump(), **changes})
+
+    def resource(self) -> dict[str, Any]:
+        """The resource's spelling, for status.engine and the tuning state: camelCase keys, and None
+        for an unset field (which a merge patch removes)."""
+        return self.model_dump(by_alias=True)
+
+
+class EngineParams(EngineSettings):
+    """Parameters of the kvpilot engine (`kvpilot serve`). Changing them rolls the pods one at a time."""
+
     block_size: int = Field(default=16, description="Tokens per KV-cache block: a power of two from 8 to 128.")
     max_model_len: int | None = Field(
         default=None, ge=1, description="Longest sequence (prompt plus output) served. Unset: the model's own limit."
@@ -213,24 +249,12 @@ class EngineParams(SpecModel):
         description="More `kvpilot serve` arguments, appended last (e.g. [\"--device\", \"cpu\"]).",
         json_schema_extra={"items": {"type": "string", "maxLength": 1024}},
     )
-    rules: ClassVar[tuple[Rule, ...]] = (
-        Rule(
-            cel="self.gpuMemoryUtilization > 0.0 && self.gpuMemoryUtilization <= 1.0",
-            message="engine.gpuMemoryUtilization must be a fraction greater than 0 and at most 1",
-            check=lambda e: 0.0 < e.gpu_memory_utilization <= 1.0,
-            field_path=".gpuMemoryUtilization",
-        ),
+    rules: ClassVar[tuple[Rule, ...]] = EngineSettings.rules + (
         Rule(
             cel="self.blockSize in [8, 16, 32, 64, 128]",
             message="engine.blockSize must be a power of two from 8 to 128 (8, 16, 32, 64 or 128)",
             check=lambda e: e.block_size in BLOCK_SIZES,
             field_path=".blockSize",
-        ),
-        Rule(
-            cel="!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxNumSeqs",
-            message="engine.maxNumBatchedTokens must be at least engine.maxNumSeqs: each running request needs a token per step",
-            check=lambda e: e.max_num_batched_tokens is None or e.max_num_batched_tokens >= e.max_num_seqs,
-            field_path=".maxNumBatchedTokens",
         ),
         Rule(
             cel="self.dtype in ['auto', 'float32', 'bfloat16', 'float16']",
@@ -254,6 +278,10 @@ class MaxNumSeqsBounds(SpecModel):
         ),
     )
 
+    def clamp(self, value: float) -> int:
+        """The whole number of sequences nearest ``value`` from below, within the bounds."""
+        return int(min(max(math.floor(value), self.min), self.max))
+
 
 class MemoryFractionBounds(SpecModel):
     """Bounds the tuner keeps engine.gpuMemoryUtilization within."""
@@ -267,6 +295,9 @@ class MemoryFractionBounds(SpecModel):
             check=lambda b: 0.0 < b.min <= b.max <= 1.0,
         ),
     )
+
+    def clamp(self, value: float) -> float:
+        return round(min(max(value, self.min), self.max), 4)
 
 
 class Slo(SpecModel):
@@ -308,6 +339,16 @@ class Tuning(SpecModel):
             field_path=".slo",
         ),
     )
+
+    def clamp(self, settings: EngineSettings) -> EngineSettings:
+        """``settings`` moved into the bounds (which may have narrowed since they were chosen)."""
+        seqs = self.max_num_seqs.clamp(settings.max_num_seqs)
+        tokens = settings.max_num_batched_tokens
+        return settings.replace(
+            max_num_seqs=seqs,
+            max_num_batched_tokens=None if tokens is None else max(tokens, seqs),
+            gpu_memory_utilization=self.gpu_memory_utilization.clamp(settings.gpu_memory_utilization),
+        )
 
 
 class Autoscaling(SpecModel):
@@ -412,14 +453,6 @@ class Condition(StatusModel):
     observed_generation: int | None = Field(default=None, description="metadata.generation this condition reflects.")
 
 
-class EngineStatus(StatusModel):
-    """Engine parameters currently in effect (the spec's, or the tuner's once it has acted)."""
-
-    max_num_seqs: int | None = Field(default=None, description="maxNumSeqs the engines run with.")
-    max_num_batched_tokens: int | None = Field(default=None, description="maxNumBatchedTokens the engines run with.")
-    gpu_memory_utilization: float | None = Field(default=None, description="GPU memory fraction the engines run with.")
-
-
 class MetricsStatus(StatusModel):
     """Service-wide load and latency over the last tuning window, from the engines' /metrics."""
 
@@ -479,7 +512,8 @@ class InferenceServiceStatus(StatusModel):
     ready_replicas: int | None = Field(default=None, description="Engine pods that are ready to serve.")
     selector: str | None = Field(default=None, description="Label selector of the engine pods, for the scale subresource.")
     url: str | None = Field(default=None, description="In-cluster base URL of the OpenAI-compatible API.")
-    engine: EngineStatus | None = Field(default=None, description="Engine parameters in effect.")
+    engine: EngineSettings | None = Field(
+        default=None, description="Engine settings in effect: spec.engine's, or the tuner's once it has acted.")
     metrics: MetricsStatus | None = Field(default=None, description="Recent load and latency.")
     tuning: TuningStatus | None = Field(default=None, description="The tuner's last decision.")
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")

@@ -1,21 +1,37 @@
-"""Pure status computation: what the children look like -> the InferenceService's status.
+"""Pure status computation: every field of an InferenceService's status is built here.
 
-Reads the Deployment's status, the engine pods and their events, and turns
-them into Kubernetes-style conditions (Ready, Progressing, Degraded) whose
-reasons a user can act on: a pod the scheduler cannot place for lack of GPUs,
-an image that does not pull, an engine that keeps crashing, a model volume
-that does not exist.
+The reconcile's part (``compute_status``) reads the Deployment's status, the
+engine pods and their events, and turns them into Kubernetes-style conditions
+(Ready, Progressing, Degraded) whose reasons a user can act on: a pod the
+scheduler cannot place for lack of GPUs, an image that does not pull, an engine
+that keeps crashing, a model volume that does not exist; and ``engine``, the
+settings in effect. The control loop's part reports its interval:
+``metrics_status``, ``tuning_status`` and ``autoscaling_status``. Field names
+are the spec models'.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from kvpilot.operator import builders
-from kvpilot.operator.spec import ConditionType, InferenceServiceSpec, Phase
-from kvpilot.operator.tuning_state import TuningState
+from kvpilot.operator.autoscaler import ScaleDecision
+from kvpilot.operator.engine_metrics import ServiceMetrics
+from kvpilot.operator.spec import (
+    AutoscalingStatus,
+    ConditionType,
+    EngineSettings,
+    InferenceServiceSpec,
+    MetricsStatus,
+    Phase,
+    TuningStatus,
+)
+from kvpilot.operator.tuner import Decision
+
+HISTORY_IN_STATUS = 10  # tuning changes listed in status.tuning.history
 
 # Degraded reasons, most urgent first: the condition names the first one found.
 INVALID_SPEC = "InvalidSpec"
@@ -177,7 +193,7 @@ def compute_status(
     namespace: str,
     generation: int | None,
     spec: InferenceServiceSpec,
-    state: TuningState,
+    settings: EngineSettings,
     deployment: dict[str, Any] | None,
     pods: list[dict[str, Any]],
     events: list[dict[str, Any]],
@@ -252,11 +268,7 @@ def compute_status(
         "readyReplicas": ready,
         "selector": builders.selector_string(name),
         "url": url,
-        "engine": {
-            "maxNumSeqs": state.max_num_seqs,
-            "maxNumBatchedTokens": state.max_num_batched_tokens,
-            "gpuMemoryUtilization": state.gpu_memory_utilization,
-        },
+        "engine": settings.resource(),
     }
 
 
@@ -273,3 +285,73 @@ def invalid_spec_status(generation: int | None, message: str, previous_condition
             _condition(ConditionType.DEGRADED, True, INVALID_SPEC, message, generation, previous, now),
         ],
     }
+
+
+# --- the control loop's status ---------------------------------------------------------
+
+
+def rfc3339(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def metrics_status(scraped: ServiceMetrics, now: float) -> dict[str, Any]:
+    """``status.metrics``: the service's load and latency over the window."""
+    obs = scraped.service
+    scraped_pods = sum(1 for r in scraped.pods.values() if r.error is None)
+    fields: dict[str, Any] = {"time": rfc3339(now), "scrapedPods": scraped_pods,
+                              "unscrapedPods": scraped.unreachable}
+    if obs is not None:
+        fields.update(
+            windowSeconds=round(obs.window_seconds, 1),
+            outputTokensPerSecond=round(obs.output_tokens_per_second, 1),
+            requestsPerSecond=round(obs.requests_per_second, 3),
+            ttftP99Seconds=_rounded(obs.ttft_p99),
+            itlP99Seconds=_rounded(obs.itl_p99),
+            e2eP99Seconds=_rounded(obs.e2e_p99),
+            kvCacheUsage=round(obs.kv_cache_usage, 3),
+            requestsRunning=round(obs.running, 2),
+            requestsWaiting=round(obs.waiting, 2),
+            preemptionsPerSecond=round(obs.preemptions_per_second, 3),
+            prefixCacheHitRate=_rounded(obs.prefix_cache_hit_rate),
+        )
+    return MetricsStatus.model_validate(fields).model_dump(by_alias=True, exclude_none=True)
+
+
+def tuning_status(decision: Decision, now: float) -> dict[str, Any]:
+    """``status.tuning``: the last decision, its reason, and the recent changes."""
+    new, before = decision.settings, decision.previous
+    if decision.changed:
+        parts = []
+        if new.max_num_seqs != before.max_num_seqs:
+            parts.append(f"maxNumSeqs {before.max_num_seqs} → {new.max_num_seqs}")
+        if new.max_num_batched_tokens != before.max_num_batched_tokens:
+            parts.append(f"maxNumBatchedTokens {before.max_num_batched_tokens} → {new.max_num_batched_tokens}")
+        if new.gpu_memory_utilization != before.gpu_memory_utilization:
+            parts.append(f"gpuMemoryUtilization {before.gpu_memory_utilization:g} → {new.gpu_memory_utilization:g}")
+        last = ", ".join(parts)
+    else:
+        last = f"hold maxNumSeqs {new.max_num_seqs}"
+    # Walk back from the current values, undoing one change at a time.
+    history = []
+    seqs, memory = new.max_num_seqs, new.gpu_memory_utilization
+    for change in reversed(decision.history.changes):
+        history.append({"time": rfc3339(change.time), "maxNumSeqs": seqs, "gpuMemoryUtilization": memory,
+                        "reason": change.reason})
+        if change.parameter == "maxNumSeqs":
+            seqs = int(change.old)
+        else:
+            memory = change.old
+    history.reverse()
+    fields = {"lastDecision": last, "reason": decision.reason, "time": rfc3339(now),
+              "history": history[-HISTORY_IN_STATUS:]}
+    return TuningStatus.model_validate(fields).model_dump(by_alias=True, exclude_none=True)
+
+
+def autoscaling_status(decision: ScaleDecision, now: float) -> dict[str, Any]:
+    """``status.autoscaling``: the replicas the autoscaler wants and why."""
+    fields = {"desiredReplicas": decision.replicas, "reason": decision.reason, "time": rfc3339(now)}
+    return AutoscalingStatus.model_validate(fields).model_dump(by_alias=True, exclude_none=True)
+
+
+def _rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)

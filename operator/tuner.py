@@ -19,6 +19,13 @@ the SLO less a safety margin, and moves there:
 - Otherwise, inside the margin band or the hysteresis band, during a
   cooldown, or with too little traffic to learn from: hold still.
 
+The TTFT SLO splits by where the time to first token goes. Made of prefill
+(the steps are too slow for prompts to get through), it is the batch's to fix,
+as ITL is: over the SLO the tuner backs off, near it the tuner holds. Made of
+queueing, it is capacity's: growing the batch would trade inter-token latency
+for it, so the tuner never grows past what the ITL SLO allows (and holds when
+there is no ITL SLO), and the autoscaler adds replicas instead.
+
 GPU memory utilization moves rarely (each change restarts pods): up one step
 when preemptions in consecutive windows show the KV cache is what limits the
 batch, down one step after an out-of-memory kill, and never again up to a
@@ -30,52 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from kvpilot.operator.metrics import Observation
-
-
-@dataclass(frozen=True)
-class EngineParams:
-    max_num_seqs: int
-    gpu_memory_utilization: float
-    max_num_batched_tokens: int | None = None
-
-
-@dataclass(frozen=True)
-class Slo:
-    itl_p99_seconds: float | None = None
-    ttft_p99_seconds: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("itl_p99_seconds", "ttft_p99_seconds"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"slo.{name} must be positive, got {value}")
-
-
-@dataclass(frozen=True)
-class Bounds:
-    min_num_seqs: int
-    max_num_seqs: int
-    min_gpu_memory_utilization: float
-    max_gpu_memory_utilization: float
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_num_seqs <= self.max_num_seqs:
-            raise ValueError(
-                f"tuning bounds need 1 <= maxNumSeqs.min <= maxNumSeqs.max, "
-                f"got {self.min_num_seqs}..{self.max_num_seqs}"
-            )
-        if not 0 < self.min_gpu_memory_utilization <= self.max_gpu_memory_utilization <= 1:
-            raise ValueError(
-                "tuning bounds need 0 < gpuMemoryUtilization.min <= gpuMemoryUtilization.max <= 1, "
-                f"got {self.min_gpu_memory_utilization}..{self.max_gpu_memory_utilization}"
-            )
-
-    def clamp_seqs(self, value: float) -> int:
-        return int(min(max(math.floor(value), self.min_num_seqs), self.max_num_seqs))
-
-    def clamp_memory(self, value: float) -> float:
-        return round(min(max(value, self.min_gpu_memory_utilization), self.max_gpu_memory_utilization), 4)
+from kvpilot.operator.engine_metrics import Observation
+from kvpilot.operator.spec import EngineSettings, Tuning
 
 
 @dataclass(frozen=True)
@@ -111,9 +74,10 @@ class Sample:
     itl_p99: float
     tokens_per_second: float
     saturated: bool
-    violated: bool  # the latest windows at this setting, averaged, were over the SLO
+    violated: bool  # the latest windows at this setting, averaged, were too slow for an SLO
     preempting: bool
     evidence_windows: int = 1  # how many windows that average spans
+    ttft_p99: float | None = None
 
 
 @dataclass(frozen=True)
@@ -154,22 +118,28 @@ class TuningHistory:
 
 @dataclass(frozen=True)
 class Decision:
-    params: EngineParams
+    settings: EngineSettings
     reason: str
     history: TuningHistory
-    previous: EngineParams
+    previous: EngineSettings
 
     @property
     def num_seqs_changed(self) -> bool:
-        return self.params.max_num_seqs != self.previous.max_num_seqs
+        return self.settings.max_num_seqs != self.previous.max_num_seqs
+
+    @property
+    def live_settings_changed(self) -> bool:
+        """What the engines take live, through their admin API."""
+        return (self.settings.max_num_seqs, self.settings.max_num_batched_tokens) != \
+            (self.previous.max_num_seqs, self.previous.max_num_batched_tokens)
 
     @property
     def memory_changed(self) -> bool:
-        return self.params.gpu_memory_utilization != self.previous.gpu_memory_utilization
+        return self.settings.gpu_memory_utilization != self.previous.gpu_memory_utilization
 
     @property
     def changed(self) -> bool:
-        return self.params != self.previous
+        return self.settings != self.previous
 
 
 @dataclass(frozen=True)
@@ -215,63 +185,67 @@ def fit_latency(samples: tuple[Sample, ...], target_itl: float, config: TunerCon
 
 def tune(
     observation: Observation | None,
-    params: EngineParams,
-    slo: Slo,
-    bounds: Bounds,
+    settings: EngineSettings,
+    tuning: Tuning,
     history: TuningHistory,
     now: float,
     oom_kills: int = 0,
     config: TunerConfig = TunerConfig(),
 ) -> Decision:
-    """Decide the next parameters from the latest window; see the module docstring."""
+    """Decide the next settings from the latest window, within ``tuning``'s SLO and bounds.
 
-    def decide(new: EngineParams, reason: str, hist: TuningHistory | None = None) -> Decision:
+    See the module docstring.
+    """
+
+    def decide(new: EngineSettings, reason: str, hist: TuningHistory | None = None) -> Decision:
         hist = history if hist is None else hist
         changes = list(hist.changes)
-        if new.max_num_seqs != params.max_num_seqs:
-            changes.append(Change(now, "maxNumSeqs", params.max_num_seqs, new.max_num_seqs, reason))
-        if new.gpu_memory_utilization != params.gpu_memory_utilization:
-            changes.append(
-                Change(now, "gpuMemoryUtilization", params.gpu_memory_utilization, new.gpu_memory_utilization, reason)
-            )
+        if new.max_num_seqs != settings.max_num_seqs:
+            changes.append(Change(now, "maxNumSeqs", settings.max_num_seqs, new.max_num_seqs, reason))
+        if new.gpu_memory_utilization != settings.gpu_memory_utilization:
+            changes.append(Change(now, "gpuMemoryUtilization", settings.gpu_memory_utilization,
+                                  new.gpu_memory_utilization, reason))
         hist = replace(hist, changes=tuple(changes[-config.history_length :]))
-        return Decision(new, reason, hist, params)
+        return Decision(new, reason, hist, settings)
 
-    m = params.max_num_seqs
-    mem = params.gpu_memory_utilization
+    m = settings.max_num_seqs
+    mem = settings.gpu_memory_utilization
+    seq_bounds, slo = tuning.max_num_seqs, tuning.slo
 
     if oom_kills > 0:
         ceiling = mem if history.oom_memory_ceiling is None else min(mem, history.oom_memory_ceiling)
-        lowered = bounds.clamp_memory(mem - 2 * config.memory_step)
+        lowered = tuning.gpu_memory_utilization.clamp(mem - 2 * config.memory_step)
         hist = replace(history, oom_memory_ceiling=ceiling)
         if lowered < mem:
             reason = (
                 f"{oom_kills} pod(s) ran out of memory at gpu_memory_utilization {mem:g}: "
                 f"lowering it to {lowered:g}"
             )
-            return decide(replace(params, gpu_memory_utilization=lowered), reason, hist)
-        backed = bounds.clamp_seqs(m * 0.75)
+            return decide(settings.replace(gpu_memory_utilization=lowered), reason, hist)
+        backed = seq_bounds.clamp(m * 0.75)
         reason = (
             f"{oom_kills} pod(s) ran out of memory at the lowest allowed gpu_memory_utilization {mem:g}: "
             f"lowering max_num_seqs {m} → {backed}"
         )
-        return decide(replace(params, max_num_seqs=backed), reason, hist)
+        return decide(settings.replace(max_num_seqs=backed), reason, hist)
 
-    clamped = bounds.clamp_seqs(m)
+    clamped = seq_bounds.clamp(m)
     if clamped != m:
         return decide(
-            _with_seqs(params, clamped),
-            f"max_num_seqs {m} is outside the tuning bounds {bounds.min_num_seqs}..{bounds.max_num_seqs}: "
+            _with_seqs(settings, clamped),
+            f"max_num_seqs {m} is outside the tuning bounds {seq_bounds.min}..{seq_bounds.max}: "
             f"moving to {clamped}",
         )
 
     slo_itl = slo.itl_p99_seconds if slo.itl_p99_seconds is not None else math.inf
     target_itl = slo_itl * (1 - config.margin)
+    slo_ttft = slo.ttft_p99_seconds if slo.ttft_p99_seconds is not None else math.inf
+    target_ttft = slo_ttft * (1 - config.margin)
     if observation is None or observation.itl_p99 is None or observation.mean_running_per_pod is None:
-        return decide(params, "no metrics from any pod in this window: holding")
+        return decide(settings, "no metrics from any pod in this window: holding")
     if observation.itl_samples < config.min_itl_samples or observation.mean_running_per_pod < 1:
         return decide(
-            params,
+            settings,
             f"too little traffic to learn from ({observation.itl_samples:.0f} inter-token samples in "
             f"{observation.window_seconds:.0f} s, need {config.min_itl_samples}): holding",
         )
@@ -288,13 +262,14 @@ def tune(
         saturated=batch >= config.saturation_fill * m and waiting_per_pod > 0.0,
         violated=False,
         preempting=observation.preemptions_per_second > 0,
+        ttft_p99=observation.ttft_p99,
     )
     if _draining(sample, config):
         # Requests admitted under a larger setting finish at their own pace: the point is
         # good for the latency fit, but says nothing yet about the new setting.
         history = replace(history, samples=(history.samples + (sample,))[-config.history_length :])
         return decide(
-            params,
+            settings,
             f"draining after the decrease: batch {batch:.1f} is still above max_num_seqs {sample.max_num_seqs}: holding",
         )
     # Evidence at the current setting: the latest windows since it was applied, averaged so
@@ -303,12 +278,18 @@ def tune(
     current = [s for s in at_setting if not _draining(s, config)][-3:]
     itl_now = sum(s.itl_p99 for s in current) / len(current)
     batch_now = sum(s.batch for s in current) / len(current)
-    sample = replace(sample, violated=itl_now > slo_itl, evidence_windows=len(current))
+    ttfts = [s.ttft_p99 for s in current if s.ttft_p99 is not None]
+    ttft_now = sum(ttfts) / len(ttfts) if ttfts else None
+    # A TTFT made of prefill is the batch's to fix (its steps are too slow); one made of
+    # queueing is capacity's: more replicas, not a larger batch (see the module docstring).
+    queueing = observation.ttft_from_queueing
+    ttft_over_from_steps = ttft_now is not None and ttft_now > slo_ttft and not queueing
+    sample = replace(sample, violated=itl_now > slo_itl or ttft_over_from_steps, evidence_windows=len(current))
     history = replace(history, samples=(history.samples + (sample,))[-config.history_length :])
 
     last_seqs_change = history.last_change("maxNumSeqs")
     if last_seqs_change is not None and now - last_seqs_change.time < config.cooldown_seconds:
-        return decide(params, f"cooling down after the change at {last_seqs_change.time:.0f}: holding")
+        return decide(settings, f"cooling down after the change at {last_seqs_change.time:.0f}: holding")
 
     fit = fit_latency(history.samples, target_itl, config)
     good, bad, bad_why = _bracket(history.samples[-config.bracket_windows :], m, config)
@@ -316,43 +297,65 @@ def tune(
     where = f"ITL P99 {itl_now * 1e3:.0f} ms at batch {batch_now:.1f}"
     slo_text = f"SLO {slo_itl * 1e3:.0f} ms" if math.isfinite(slo_itl) else "no ITL SLO"
     fit_text = f" ({fit.describe()})" if fit else ""
+    ttft_where = (f"TTFT P99 {ttft_now:.2f} s at batch {batch_now:.1f} "
+                  f"({_percent(observation.ttft_queue_share)} of it queueing)") if ttft_now is not None else ""
+    ttft_slo_text = f"TTFT SLO {slo_ttft:g} s"
+
+    def back_off(target: float, why: str, how: str = "") -> Decision:
+        floor = max(m * config.max_backoff, good if good is not None and good < m else 0)
+        new = seq_bounds.clamp(min(max(target, floor), m - 1))
+        if new >= m:
+            return decide(settings, f"{why}, but max_num_seqs is at its lower bound {m}")
+        return decide(_with_seqs(settings, new), f"{why}: max_num_seqs {m} → {new}{how}")
 
     if itl_now > slo_itl:
         if itl_now <= slo_itl * (1 + config.margin) and len(current) < 2:
-            return decide(params, f"{where} is marginally over {slo_text}: confirming over one more window")
+            return decide(settings, f"{where} is marginally over {slo_text}: confirming over one more window")
         # Trust the fit only where it agrees that the current batch is too large, and where its
         # line admits some batch at all: an intercept over the target comes from noisy windows
         # far up the curve (run 16: 13 → 3), and scaling the batch by the excess is safer.
         fitted = fit.batch_for(target_itl) if fit and fit.intercept < target_itl else None
         target = fitted if fitted is not None and fitted < batch_now else batch_now * target_itl / itl_now
-        floor = max(m * config.max_backoff, good if good is not None and good < m else 0)
-        new = bounds.clamp_seqs(min(max(target, floor), m - 1))
-        if new >= m:
-            return decide(params, f"{where} > {slo_text}, but max_num_seqs is at its lower bound {m}")
-        return decide(_with_seqs(params, new), f"{where} > {slo_text}: max_num_seqs {m} → {new}{fit_text}")
+        return back_off(target, f"{where} > {slo_text}", fit_text)
+
+    if ttft_over_from_steps:
+        assert ttft_now is not None
+        if ttft_now <= slo_ttft * (1 + config.margin) and len(current) < 2:
+            return decide(settings, f"{ttft_where} is marginally over {ttft_slo_text}: confirming over one more window")
+        # Prefill chunks run in the same steps as the decodes: their time grows with the batch.
+        return back_off(batch_now * target_ttft / ttft_now, f"{ttft_where} > {ttft_slo_text}: the steps are too slow")
 
     if waiting_per_pod > 0 and _preempting_twice(history.samples):
-        raised = _raised_memory(mem, bounds, history, now, config)
+        raised = _raised_memory(mem, tuning, history, now, config)
         if raised is not None:
             return decide(
-                replace(params, gpu_memory_utilization=raised),
+                settings.replace(gpu_memory_utilization=raised),
                 f"preempting {observation.preemptions_per_second:.2f}/s with {waiting_per_pod:.1f} waiting per pod: "
                 f"the KV cache is the limit; gpu_memory_utilization {mem:g} → {raised:g}",
             )
 
     if itl_now > target_itl:
-        return decide(params, f"{where} is within the {config.margin:.0%} margin below {slo_text}: holding")
+        return decide(settings, f"{where} is within the {config.margin:.0%} margin below {slo_text}: holding")
+    ttft_binding = ttft_now is not None and ttft_now > target_ttft
+    if ttft_binding and not queueing:
+        return decide(settings, f"{ttft_where} is within the {config.margin:.0%} margin below {ttft_slo_text}; "
+                                "a larger batch would slow the prefill: holding")
     if not sample.saturated:
         return decide(
-            params,
+            settings,
             f"{where} meets {slo_text}; not saturated (batch {batch:.1f} of {m}, "
             f"{waiting_per_pod:.1f} waiting per pod): holding",
         )
+    if ttft_binding and not math.isfinite(slo_itl):
+        # A larger batch would drain the queue only by slowing every stream, and no ITL SLO
+        # bounds that trade: replicas are the cure, and the autoscaler adds them on this signal.
+        return decide(settings, f"{ttft_where} is near or over {ttft_slo_text} from queueing, which more "
+                                "replicas cure: not growing the batch at the cost of inter-token latency: holding")
 
     # Without a fit (one batch size seen) explore: the intercept makes latency grow slower than
     # the batch, so the squared headroom ratio is a fair first step, bounded by max_growth.
     target = fit.batch_for(target_itl) if fit else batch_now * (target_itl / itl_now) ** 2
-    limits = [target, m * config.max_growth, bounds.max_num_seqs]
+    limits = [target, m * config.max_growth, seq_bounds.max]
     limit_text = ""
     if kv_cap is not None and kv_cap < min(limits):
         limit_text = f"; the KV cache holds ~{kv_cap:.0f} seqs at observed lengths"
@@ -364,29 +367,34 @@ def tune(
         if cap < min(limits):
             limit_text = f"; {bad} {bad_why} recently"
             limits.append(cap)
-    new = bounds.clamp_seqs(min(limits))
+    new = seq_bounds.clamp(min(limits))
     if new == m and min(limits) >= m + config.probe:
         # Settings are whole sequences: a best fitted between m and m + 1 would round down to
         # m forever, while at small m one more sequence is a real step (hysteresis still rules
         # it out where it is not). The next window checks it.
-        new = bounds.clamp_seqs(m + 1)
-    if m == bounds.max_num_seqs:
-        return decide(params, f"{where} meets {slo_text}; max_num_seqs is at its upper bound {m}: holding")
+        new = seq_bounds.clamp(m + 1)
+    if m == seq_bounds.max:
+        return decide(settings, f"{where} meets {slo_text}; max_num_seqs is at its upper bound {m}: holding")
     if new - m < max(1, config.hysteresis * m):
         why = limit_text or f"; the fitted best is within {config.hysteresis:.0%}"
-        return decide(params, f"{where} meets {slo_text}{why}: holding")
+        return decide(settings, f"{where} meets {slo_text}{why}: holding")
+    queueing_text = f"; {ttft_where} is near or over {ttft_slo_text} from queueing" if ttft_binding else ""
     return decide(
-        _with_seqs(params, new),
-        f"{where} meets {slo_text} with a queue: max_num_seqs {m} → {new}{fit_text}{limit_text}",
+        _with_seqs(settings, new),
+        f"{where} meets {slo_text} with a queue: max_num_seqs {m} → {new}{fit_text}{limit_text}{queueing_text}",
     )
 
 
-def _with_seqs(params: EngineParams, seqs: int) -> EngineParams:
+def _percent(share: float | None) -> str:
+    return "an unknown share" if share is None else f"{share:.0%}"
+
+
+def _with_seqs(settings: EngineSettings, seqs: int) -> EngineSettings:
     """A new max_num_seqs; the token budget must fit one decode token per sequence."""
-    tokens = params.max_num_batched_tokens
+    tokens = settings.max_num_batched_tokens
     if tokens is not None and tokens < seqs:
         tokens = seqs
-    return replace(params, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    return settings.replace(max_num_seqs=seqs, max_num_batched_tokens=tokens)
 
 
 def _tail_at_setting(samples: tuple[Sample, ...], seqs: int) -> list[Sample]:
@@ -455,26 +463,23 @@ def _preempting_twice(samples: tuple[Sample, ...]) -> bool:
 
 
 def _raised_memory(
-    mem: float, bounds: Bounds, history: TuningHistory, now: float, config: TunerConfig
+    mem: float, tuning: Tuning, history: TuningHistory, now: float, config: TunerConfig
 ) -> float | None:
     last = history.last_change("gpuMemoryUtilization")
     if last is not None and now - last.time < config.memory_cooldown_seconds:
         return None
-    raised = bounds.clamp_memory(mem + config.memory_step)
+    raised = tuning.gpu_memory_utilization.clamp(mem + config.memory_step)
     ceiling = history.oom_memory_ceiling
     if ceiling is not None and raised >= ceiling:
-        raised = bounds.clamp_memory(min(raised, ceiling - config.memory_step / 2))
+        raised = tuning.gpu_memory_utilization.clamp(min(raised, ceiling - config.memory_step / 2))
     return raised if raised > mem else None
 
 
 __all__ = [
-    "Bounds",
     "Change",
     "Decision",
-    "EngineParams",
     "LatencyFit",
     "Sample",
-    "Slo",
     "TunerConfig",
     "TuningHistory",
     "fit_latency",

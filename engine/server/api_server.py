@@ -35,6 +35,7 @@ from kvpilot.engine.server import protocol as p
 from kvpilot.engine.server.async_engine import AsyncLLMEngine, EngineDeadError
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.serving import ErrorResult, ModelInfo, OpenAIServing, error, param_from_message
+from kvpilot.engine_contract import ADMIN_SCHEDULER_PATH, HEALTH_PATH, METRICS_PATH
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +260,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         require_api_key(request)
         return _render(state.serving.list_models())
 
-    @app.get("/health")
+    @app.get(HEALTH_PATH)
     async def health() -> Response:
         if state.async_engine.dead_error is not None or not state.async_engine.is_alive:
             reason = repr(state.async_engine.dead_error) if state.async_engine.dead_error else "not running"
@@ -268,18 +269,18 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get(METRICS_PATH)
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/admin/v1/scheduler")
+    @app.get(ADMIN_SCHEDULER_PATH)
     async def get_scheduler(request: Request) -> Response:
         require_admin(request)
         stats = state.async_engine.stats()
         return _render(p.SchedulerLimits(max_num_seqs=stats.max_num_seqs,
                                          max_num_batched_tokens=stats.max_num_batched_tokens))
 
-    @app.post("/admin/v1/scheduler")
+    @app.post(ADMIN_SCHEDULER_PATH)
     async def set_scheduler(body: p.SchedulerLimitsUpdate, request: Request) -> Response:
         require_admin(request)
         if body.max_num_seqs is None and body.max_num_batched_tokens is None:

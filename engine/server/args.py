@@ -2,8 +2,8 @@
 
 Precedence: command line, then the environment variable, then the default. The
 environment is read after parsing, so a bad variable only breaks ``serve`` (and
-the error names the variable). Only argparse and the standard library are
-imported here: ``kvpilot --help`` must stay fast.
+the error names the variable). Only argparse, the standard library and the
+engine contract are imported here: ``kvpilot --help`` must stay fast.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-ENV_PREFIX = "KVPILOT_"
+from kvpilot.engine_contract import ENGINE_PORT, ENV_PREFIX, flag_env
 
 
 class ArgsError(ValueError):
@@ -78,12 +78,12 @@ class Flag:
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
+        return flag_env(self.dest)
 
 
 SERVE_FLAGS = (
     Flag("host", "address to listen on", default="0.0.0.0"),
-    Flag("port", "port to listen on", type=positive_int, default=8000),
+    Flag("port", "port to listen on", type=positive_int, default=ENGINE_PORT),
     Flag("served_model_name", "model name clients send in `model` (default: MODEL_PATH as given)"),
     Flag("max_num_seqs", "most sequences in the running batch (engine default: 64)", type=positive_int),
     Flag("max_num_batched_tokens", "token budget of one engine step (engine default: 2048 with chunked prefill)",

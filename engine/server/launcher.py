@@ -9,15 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.engine.server.args import ArgsError, engine_overrides, resolve_serve_args
+from kvpilot.engine_contract import TUNING_FILE_KEYS
 
 logger = logging.getLogger("kvpilot.serve")
-
-# Keys the operator persists (its CRD spelling) -> the engine flag they override.
-TUNING_KEYS = {
-    "maxNumSeqs": "max_num_seqs",
-    "maxNumBatchedTokens": "max_num_batched_tokens",
-    "gpuMemoryUtilization": "gpu_memory_utilization",
-}
 
 
 class TuningFileError(ValueError):
@@ -36,7 +30,7 @@ def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     if path.is_dir():
-        raw: Any = {key: (path / key).read_text().strip() for key in TUNING_KEYS if (path / key).is_file()}
+        raw: Any = {key: (path / key).read_text().strip() for key in TUNING_FILE_KEYS if (path / key).is_file()}
         raw = {key: yaml.safe_load(value) for key, value in raw.items()}
     else:
         try:
@@ -49,8 +43,9 @@ def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
         )
     values: dict[str, Any] = {}
     for key, value in raw.items():
-        if key not in TUNING_KEYS:
-            logger.warning("tuning file %s: ignoring unknown key %r (known: %s)", path, key, ", ".join(TUNING_KEYS))
+        if key not in TUNING_FILE_KEYS:
+            logger.warning("tuning file %s: ignoring unknown key %r (known: %s)", path, key,
+                           ", ".join(TUNING_FILE_KEYS))
             continue
         if value is None:
             continue
@@ -61,7 +56,7 @@ def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
         if not ok:
             expected = "a fraction in (0, 1]" if key == "gpuMemoryUtilization" else "a positive integer"
             raise TuningFileError(f"tuning file {path}: {key} must be {expected}, got {value!r}")
-        values[TUNING_KEYS[key]] = value
+        values[TUNING_FILE_KEYS[key]] = value
     return values
 
 

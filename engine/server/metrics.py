@@ -1,4 +1,4 @@
-"""Prometheus metrics of one server, named by the contract in kvpilot/metric_names.py.
+"""Prometheus metrics of one server, named by the contract in kvpilot/engine_contract.py.
 
 Gauges and the engine's own counters are read from the engine's latest stats
 snapshot at scrape time (a custom collector), so they can never drift from the
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpilot import metric_names as names
+from kvpilot import engine_contract as names
 
 FINISH_REASONS = ("stop", "length", "abort")
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpilot import metric_names as names
+from kvpilot import engine_contract as contract
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.metrics import parse_snapshot
+from kvpilot.operator.engine_metrics import parse_snapshot
 
 pytestmark = pytest.mark.e2e
 
@@ -154,7 +154,7 @@ class Load:
 
     def _refresh_once(self) -> None:
         pods = [p for p in _engine_pods(self.kube) if _ready(p) and p["status"].get("podIP")]
-        self.targets = [f"http://{p['status']['podIP']}:{builders.ENGINE_PORT}" for p in pods]
+        self.targets = [f"http://{p['status']['podIP']}:{contract.ENGINE_PORT}" for p in pods]
 
     def _refresh_targets(self) -> None:
         while not self.stop_event.wait(0.5):
@@ -198,8 +198,8 @@ def load(kube, service):
 
 
 def _engine_max_num_seqs(pod: dict) -> int:
-    text = httpx.get(f"http://{pod['status']['podIP']}:{builders.ENGINE_PORT}/metrics", timeout=10).text
-    return int(parse_snapshot(text, 0.0).gauges[names.MAX_NUM_SEQS])
+    text = httpx.get(f"http://{pod['status']['podIP']}:{contract.ENGINE_PORT}/metrics", timeout=10).text
+    return int(parse_snapshot(text, 0.0).gauges[contract.MAX_NUM_SEQS])
 
 
 def _events(cluster, reason: str) -> str:

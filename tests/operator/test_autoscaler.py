@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,8 @@ from kvpilot.operator.autoscaler import (
     autoscale,
     measure_capacity,
 )
-from kvpilot.operator.metrics import Observation
+from kvpilot.operator.engine_metrics import Observation
+from kvpilot.operator.spec import Slo
 
 CAPACITY = 400.0  # tokens/s one saturated replica serves
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=6, scale_down_stabilization_seconds=300.0)
@@ -147,3 +149,49 @@ def test_history_round_trip_and_policy_validation():
     assert ScalingHistory.from_dict(seen_history.to_dict()) == seen_history
     with pytest.raises(ValueError, match="minReplicas"):
         ScalingPolicy(min_replicas=3, max_replicas=2)
+
+
+# --- the TTFT SLO -------------------------------------------------------------------------
+
+SLO = Slo(ttft_p99_seconds=2.0, itl_p99_seconds=0.1)
+WITH_SLO = ScalingPolicy(min_replicas=1, max_replicas=6, scale_down_stabilization_seconds=300.0, slo=SLO)
+
+
+def queueing(demand: float, replicas: int, **fields) -> tuple[Observation, bool]:
+    """A window whose requests wait 3 s for a batch slot before a 0.5 s prefill, ITL within its SLO.
+
+    Token demand alone does not ask for more replicas: the load is bursty (the queue forms and
+    drains within the window), so the mean throughput looks well within capacity.
+    """
+    obs, saturated = load(demand, replicas)
+    return replace(obs, ttft_p99=3.5, queue_time_p99=3.0, ttft_queue_share=3.0 / 3.5, **fields), saturated
+
+
+def test_ttft_over_the_slo_from_queueing_scales_out_while_itl_is_fine():
+    obs, saturated = queueing(300.0, 1)
+    history = ScalingHistory(capacity_per_replica=CAPACITY)
+    without_slo = autoscale(obs, ReplicaState(1, 1), POLICY, history, 0.0, saturated)
+    assert without_slo.replicas == 1  # by tokens, one replica is enough
+    decision = autoscale(obs, ReplicaState(1, 1), WITH_SLO, history, 0.0, saturated)
+    assert decision.replicas == 2 and "TTFT P99 3.50 s > SLO 2 s, 86% of it queueing" in decision.reason
+    # Window after window, until the TTFT meets its SLO (new replicas first have to be Ready).
+    starting = autoscale(obs, ReplicaState(2, 1), WITH_SLO, decision.history, 30.0, saturated)
+    assert starting.replicas == 2 and "waiting for 1 starting replica" in starting.reason
+    obs, saturated = queueing(300.0, 2)
+    assert autoscale(obs, ReplicaState(2, 2), WITH_SLO, starting.history, 60.0, saturated).replicas == 3
+
+
+def test_ttft_over_the_slo_does_not_scale_out_when_itl_breaks_too_or_prefill_makes_it():
+    history = ScalingHistory(capacity_per_replica=CAPACITY)
+    slow_steps, saturated = queueing(300.0, 1, itl_p99=0.15)  # the tuner shrinks the batch first
+    assert autoscale(slow_steps, ReplicaState(1, 1), WITH_SLO, history, 0.0, saturated).replicas == 1
+    obs, saturated = load(300.0, 1)
+    long_prompts = replace(obs, ttft_p99=3.5, ttft_queue_share=0.1)  # more replicas would not shorten a prefill
+    assert autoscale(long_prompts, ReplicaState(1, 1), WITH_SLO, history, 0.0, saturated).replicas == 1
+
+
+def test_a_ttft_breaking_the_slo_from_queueing_asks_for_more_replicas_not_fewer():
+    obs, saturated = queueing(100.0, 3)
+    history = ScalingHistory(capacity_per_replica=CAPACITY, observed_since=-1000.0)
+    assert autoscale(obs, ReplicaState(3, 3), POLICY, history, 0.0, saturated).replicas == 2
+    assert autoscale(obs, ReplicaState(3, 3), WITH_SLO, history, 0.0, saturated).replicas == 4

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 
 import pytest
 
-from kvpilot.operator import builders, spec, tuning_state
+from kvpilot.operator import builders, spec, tuning_configmap
 from kvpilot.operator.settings import OperatorSettings
 
 SETTINGS = OperatorSettings(engine_image="registry.example/kvpilot:1.2.3")
@@ -14,7 +15,7 @@ SETTINGS = OperatorSettings(engine_image="registry.example/kvpilot:1.2.3")
 
 def _children(spec_dict, name="llama", settings=SETTINGS, state=None):
     parsed = spec.parse_spec(spec_dict)
-    state = state or tuning_state.resolve(parsed, None)
+    state = state or tuning_configmap.settings_in_effect(parsed, None)
     return builders.build_children(name, "ml", parsed, state, settings)
 
 
@@ -183,10 +184,10 @@ def test_pdb_only_with_more_than_one_replica():
 def test_tuned_memory_fraction_rolls_pods_but_tuned_max_num_seqs_does_not():
     spec_dict = {"model": {"uri": "pvc://m"}, "tuning": {"slo": {"itlP99Seconds": 0.1}}}
     parsed = spec.parse_spec(spec_dict)
-    seed = tuning_state.TuningState.from_engine(parsed.engine)
+    seed = spec.EngineSettings.of(parsed.engine)
     base = _children(spec_dict, state=seed)
-    more_seqs = _children(spec_dict, state=dataclasses.replace(seed, max_num_seqs=128))
-    more_memory = _children(spec_dict, state=dataclasses.replace(seed, gpu_memory_utilization=0.93))
+    more_seqs = _children(spec_dict, state=seed.replace(max_num_seqs=128))
+    more_memory = _children(spec_dict, state=seed.replace(gpu_memory_utilization=0.93))
     assert more_seqs.deployment == base.deployment
     assert more_seqs.configmap != base.configmap
     assert _flag(_engine(more_memory.deployment)["args"], "--gpu-memory-utilization") == "0.93"
@@ -195,6 +196,9 @@ def test_tuned_memory_fraction_rolls_pods_but_tuned_max_num_seqs_does_not():
 def test_admin_secret_holds_the_token_and_rejects_weak_ones():
     secret = builders.build_admin_secret("llama", "ml", "x" * 43)
     assert secret["metadata"]["name"] == "llama-admin" and secret["stringData"] == {"token": "x" * 43}
+    # As the API server returns it: base64 under data.
+    assert builders.admin_token({"data": {"token": base64.b64encode(b"x" * 43).decode()}}) == "x" * 43
+    assert builders.admin_token(None) is None and builders.admin_token({"data": {}}) is None
     with pytest.raises(ValueError):
         builders.build_admin_secret("llama", "ml", "short")
 

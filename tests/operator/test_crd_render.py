@@ -60,8 +60,9 @@ def test_defaults_reach_the_api_server():
 def test_rules_become_cel_validations():
     spec_schema = _version()["schema"]["openAPIV3Schema"]["properties"]["spec"]
     rules = spec_schema["properties"]["engine"]["x-kubernetes-validations"]
-    assert {"rule": "self.blockSize in [8, 16, 32, 64, 128]",
-            "message": spec.EngineParams.rules[1].message, "fieldPath": ".blockSize"} in rules
+    block_size = next(r for r in spec.EngineParams.rules if r.field_path == ".blockSize")
+    assert {"rule": "self.blockSize in [8, 16, 32, 64, 128]", "message": block_size.message,
+            "fieldPath": ".blockSize"} in rules
     assert spec_schema["x-kubernetes-validations"][0]["message"] == spec.InferenceServiceSpec.rules[0].message
 
 
@@ -78,6 +79,14 @@ def test_subresources_and_printer_columns():
     full = yaml.safe_load(crd.render_crd())
     assert full["spec"]["names"]["shortNames"] == ["kvis"]
     assert full["spec"]["scope"] == "Namespaced"
+
+
+def test_status_takes_no_defaults_or_rules_from_the_models_it_shares_with_the_spec():
+    status = _version()["schema"]["openAPIV3Schema"]["properties"]["status"]
+    for path, node in _walk(status, "$.status"):
+        assert "default" not in node and "x-kubernetes-validations" not in node, path
+    engine = status["properties"]["engine"]["properties"]
+    assert set(engine) == {"maxNumSeqs", "maxNumBatchedTokens", "gpuMemoryUtilization"}
 
 
 def test_printer_columns_point_at_status_fields_that_exist():

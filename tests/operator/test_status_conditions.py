@@ -1,13 +1,16 @@
-"""Status computation: conditions and reasons a user can act on, from realistic pod states."""
+"""Status computation: conditions and reasons a user can act on, from realistic pod states, and the
+control loop's reports (metrics, tuning, autoscaling)."""
 
 from __future__ import annotations
 
 from kvpilot.operator import spec, status
-from kvpilot.operator.tuning_state import TuningState
+from kvpilot.operator.engine_metrics import MetricsCollector
+from kvpilot.operator.spec import EngineSettings
+from kvpilot.operator.tuner import Change, Decision, TuningHistory
 
 NOW = "2026-01-01T00:00:00Z"
 SPEC = spec.parse_spec({"model": {"uri": "pvc://models/llama"}, "replicas": 2, "resources": {"gpus": 4}})
-STATE = TuningState.from_engine(SPEC.engine)
+SETTINGS = spec.EngineSettings.of(SPEC.engine)
 
 
 def _deployment(replicas=2, ready=2, updated=2, generation=1, observed=1):
@@ -26,7 +29,7 @@ def _pod(name, *, ready=False, conditions=(), containers=(), init_containers=(),
 
 
 def _compute(deployment, pods=(), events=(), previous=(), spec_=SPEC):
-    return status.compute_status(name="llama", namespace="ml", generation=3, spec=spec_, state=STATE,
+    return status.compute_status(name="llama", namespace="ml", generation=3, spec=spec_, settings=SETTINGS,
                                  deployment=deployment, pods=list(pods), events=list(events),
                                  previous_conditions=list(previous), now=NOW)
 
@@ -145,3 +148,33 @@ def test_rollout_past_its_deadline_is_degraded_even_without_pod_clues():
                                            "message": 'ReplicaSet "llama-5d" has timed out progressing.'}]
     degraded = _cond(_compute(deployment, [_pod("a", ready=True), _pod("b", phase="Running")]), "Degraded")
     assert degraded["reason"] == "RolloutStuck" and "timed out progressing" in degraded["message"]
+
+
+def test_engine_status_is_the_settings_with_unset_fields_removed_by_the_merge_patch():
+    result = _compute(_deployment(), [_pod("a", ready=True), _pod("b", ready=True)])
+    assert result["engine"] == {"maxNumSeqs": 64, "maxNumBatchedTokens": None, "gpuMemoryUtilization": 0.9}
+    assert EngineSettings.model_validate(result["engine"]) == SETTINGS
+
+
+def test_tuning_status_lists_changes_with_the_values_after_each():
+    history = TuningHistory(changes=(
+        Change(100.0, "maxNumSeqs", 8, 16, "grow"),
+        Change(130.0, "gpuMemoryUtilization", 0.9, 0.92, "preempting"),
+        Change(160.0, "maxNumSeqs", 16, 24, "grow again"),
+    ))
+    decision = Decision(EngineSettings(max_num_seqs=24, gpu_memory_utilization=0.92), "grow again", history,
+                        EngineSettings(max_num_seqs=16, gpu_memory_utilization=0.92))
+    report = status.tuning_status(decision, 160.0)
+    spec.TuningStatus.model_validate(report)
+    assert report["lastDecision"] == "maxNumSeqs 16 → 24"
+    assert [(h["maxNumSeqs"], h["gpuMemoryUtilization"]) for h in report["history"]] == [
+        (16, 0.9), (16, 0.92), (24, 0.92)]
+    assert report["history"][0]["time"] == "1970-01-01T00:01:40Z"
+
+
+def test_metrics_status_uses_the_crd_field_names_and_reports_dead_pods():
+    collector = MetricsCollector(window_seconds=30.0)
+    scraped = collector.ingest({"a": ConnectionError("refused")}, 0.0)
+    report = status.metrics_status(scraped, 0.0)
+    assert report["unscrapedPods"] == ["a"] and report["scrapedPods"] == 0
+    spec.MetricsStatus.model_validate(report)

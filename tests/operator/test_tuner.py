@@ -8,19 +8,19 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from kvpilot.operator.metrics import Observation
-from kvpilot.operator.tuner import (
-    Bounds,
-    EngineParams,
-    Slo,
-    TunerConfig,
-    TuningHistory,
-    fit_latency,
-    tune,
-)
+from kvpilot.operator.engine_metrics import Observation
+from kvpilot.operator.spec import EngineSettings, Slo, Tuning
+from kvpilot.operator.tuner import TunerConfig, TuningHistory, fit_latency, tune
 
-SLO = Slo(itl_p99_seconds=0.100)
-BOUNDS = Bounds(min_num_seqs=1, max_num_seqs=256, min_gpu_memory_utilization=0.8, max_gpu_memory_utilization=0.95)
+
+def tuning(slo: Slo = Slo(itl_p99_seconds=0.100), seqs: tuple[int, int] = (1, 256),
+           memory: tuple[float, float] = (0.8, 0.95)) -> Tuning:
+    return Tuning(slo=slo, max_num_seqs={"min": seqs[0], "max": seqs[1]},
+                  gpu_memory_utilization={"min": memory[0], "max": memory[1]})
+
+
+TUNING = tuning()
+SLO = TUNING.slo
 INTERVAL = 30.0
 
 
@@ -59,7 +59,7 @@ class SimulatedEngine:
         batch = self.batch(max_num_seqs)
         return batch / (0.7 * self.itl_p99(batch))  # mean ITL a bit under the P99
 
-    def window(self, params: EngineParams, rng: random.Random) -> Observation:
+    def window(self, params: EngineSettings, rng: random.Random) -> Observation:
         batch = self.batch(params.max_num_seqs)
         jitter = 1.0 + self.noise * max(-2.0, min(2.0, rng.gauss(0.0, 1.0)))
         saturated = self.arrival_limited_batch > batch
@@ -72,26 +72,26 @@ class SimulatedEngine:
             max_num_seqs=params.max_num_seqs, gpu_memory_utilization=params.gpu_memory_utilization,
         )
 
-    def oracle(self, slo: Slo, bounds: Bounds) -> float:
+    def oracle(self, within: Tuning) -> float:
         meeting = [
             self.throughput(m)
-            for m in range(bounds.min_num_seqs, bounds.max_num_seqs + 1)
-            if self.itl_p99(self.batch(m)) <= slo.itl_p99_seconds
+            for m in range(within.max_num_seqs.min, within.max_num_seqs.max + 1)
+            if self.itl_p99(self.batch(m)) <= within.slo.itl_p99_seconds
         ]
         return max(meeting)
 
 
-def run(engine: SimulatedEngine, start: int, intervals: int = 16, seed: int = 0, slo: Slo = SLO,
-        bounds: Bounds = BOUNDS, config: TunerConfig = TunerConfig()):
+def run(engine: SimulatedEngine, start: int, intervals: int = 16, seed: int = 0, within: Tuning = TUNING,
+        config: TunerConfig = TunerConfig()):
     rng = random.Random(seed)
-    params = EngineParams(max_num_seqs=start, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    params = EngineSettings(max_num_seqs=start, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
     history = TuningHistory()
     trace = []
     for i in range(intervals):
         obs = engine.window(params, rng)
-        decision = tune(obs, params, slo, bounds, history, now=(i + 1) * INTERVAL, config=config)
+        decision = tune(obs, params, within, history, now=(i + 1) * INTERVAL, config=config)
         trace.append((params.max_num_seqs, decision.reason))
-        params, history = decision.params, decision.history
+        params, history = decision.settings, decision.history
     return trace, params
 
 
@@ -113,7 +113,7 @@ def test_converges_to_ninety_percent_of_the_oracle_within_eight_intervals(shape,
     engine = ENGINES[shape]
     trace, final = run(engine, start)
     seqs = [m for m, _ in trace] + [final.max_num_seqs]
-    oracle = engine.oracle(SLO, BOUNDS)
+    oracle = engine.oracle(TUNING)
     within = [i for i, m in enumerate(seqs) if engine.throughput(m) >= 0.9 * oracle
               and engine.itl_p99(engine.batch(m)) <= SLO.itl_p99_seconds]
     assert within and within[0] <= 8, (seqs, [r for _, r in trace])
@@ -129,7 +129,7 @@ def test_holds_still_under_noise(seed):
     settled = seqs[12:]
     changes = sum(1 for a, b in zip(settled, settled[1:]) if a != b)
     assert changes <= 2, seqs
-    assert engine.throughput(settled[-1]) >= 0.85 * engine.oracle(SLO, BOUNDS)
+    assert engine.throughput(settled[-1]) >= 0.85 * engine.oracle(TUNING)
 
 
 class StallOnce(SimulatedEngine):
@@ -137,7 +137,7 @@ class StallOnce(SimulatedEngine):
 
     stalled: bool = False
 
-    def window(self, params: EngineParams, rng: random.Random) -> Observation:
+    def window(self, params: EngineSettings, rng: random.Random) -> Observation:
         obs = super().window(params, rng)
         if not self.stalled and params.max_num_seqs >= 30:
             self.stalled = True
@@ -150,23 +150,23 @@ def test_one_stalled_window_does_not_rule_a_setting_out():
     trace, final = run(engine, 2, intervals=16)
     seqs = [m for m, _ in trace]
     assert any("> SLO" in reason for _, reason in trace), "the stall backs the setting off at once"
-    assert engine.throughput(final.max_num_seqs) >= 0.9 * engine.oracle(SLO, BOUNDS), seqs
+    assert engine.throughput(final.max_num_seqs) >= 0.9 * engine.oracle(TUNING), seqs
 
 
 def test_a_fitted_best_a_fraction_above_a_small_setting_tries_one_more_sequence():
     # Run 13 of benchmarks/tuning.py: a quick window at batch 2 and a slow one at 4 fit a best
     # of ~4.4, which rounded down to 4 held the tuner there for three intervals.
-    params = EngineParams(max_num_seqs=2, gpu_memory_utilization=0.9, max_num_batched_tokens=256)
+    params = EngineSettings(max_num_seqs=2, gpu_memory_utilization=0.9, max_num_batched_tokens=256)
     first = tune(observation(mean_running_per_pod=2.0, running=2.0, itl_p99=0.052, max_num_seqs=2),
-                 params, SLO, BOUNDS, TuningHistory(), now=15.0)
-    assert first.params.max_num_seqs == 4
+                 params, TUNING, TuningHistory(), now=15.0)
+    assert first.settings.max_num_seqs == 4
     second = tune(observation(mean_running_per_pod=4.0, running=4.0, itl_p99=0.088, max_num_seqs=4),
-                  first.params, SLO, BOUNDS, first.history, now=30.0)
-    assert second.params.max_num_seqs == 5, second.reason
+                  first.settings, TUNING, first.history, now=30.0)
+    assert second.settings.max_num_seqs == 5, second.reason
     # Where one sequence is inside the hysteresis band, a fraction of headroom still holds.
     large = tune(observation(mean_running_per_pod=60.0, running=60.0, itl_p99=0.093, max_num_seqs=60),
-                 replace(params, max_num_seqs=60), SLO, BOUNDS, TuningHistory(), now=15.0)
-    assert large.params.max_num_seqs == 60 and "within 5%" in large.reason, large.reason
+                 params.replace(max_num_seqs=60), TUNING, TuningHistory(), now=15.0)
+    assert large.settings.max_num_seqs == 60 and "within 5%" in large.reason, large.reason
 
 
 def test_a_fit_whose_intercept_exceeds_the_target_does_not_drive_the_back_off():
@@ -174,30 +174,29 @@ def test_a_fit_whose_intercept_exceeds_the_target_does_not_drive_the_back_off():
     # over the 95 ms target at any batch, and the back-off from 13 went to the floor, 3.
     history = TuningHistory()
     for step, (m, itl) in enumerate([(36, 0.149), (22, 0.153), (13, 0.119)]):
-        params = EngineParams(max_num_seqs=m, gpu_memory_utilization=0.9, max_num_batched_tokens=256)
+        params = EngineSettings(max_num_seqs=m, gpu_memory_utilization=0.9, max_num_batched_tokens=256)
         obs = observation(mean_running_per_pod=float(m), running=float(m), itl_p99=itl, max_num_seqs=m)
-        decision = tune(obs, params, SLO, BOUNDS, history, now=15.0 * (step + 1))
+        decision = tune(obs, params, TUNING, history, now=15.0 * (step + 1))
         history = decision.history
-    assert decision.params.max_num_seqs == 10, decision.reason  # 13 × 95 / 119, by the excess
+    assert decision.settings.max_num_seqs == 10, decision.reason  # 13 × 95 / 119, by the excess
 
 
 @pytest.mark.parametrize("start", [2, 256])
 def test_respects_bounds(start):
-    bounds = Bounds(min_num_seqs=4, max_num_seqs=48, min_gpu_memory_utilization=0.8, max_gpu_memory_utilization=0.95)
-    loose = run(SimulatedEngine(), start, slo=Slo(itl_p99_seconds=10.0), bounds=bounds)
+    loose = run(SimulatedEngine(), start, within=tuning(Slo(itl_p99_seconds=10.0), seqs=(4, 48)))
     assert all(4 <= m <= 48 for m, _ in loose[0][1:]) and loose[1].max_num_seqs == 48
-    strict = run(SimulatedEngine(), start, slo=Slo(itl_p99_seconds=0.001), bounds=bounds)
+    strict = run(SimulatedEngine(), start, within=tuning(Slo(itl_p99_seconds=0.001), seqs=(4, 48)))
     assert all(4 <= m <= 48 for m, _ in strict[0][1:]) and strict[1].max_num_seqs == 4
 
 
 def test_too_little_traffic_is_ignored():
-    params = EngineParams(16, 0.9)
+    params = EngineSettings(max_num_seqs=16, gpu_memory_utilization=0.9)
     quiet = observation(itl_samples=50.0, itl_p99=0.5)
-    decision = tune(quiet, params, SLO, BOUNDS, TuningHistory(), now=0.0)
+    decision = tune(quiet, params, TUNING, TuningHistory(), now=0.0)
     assert not decision.changed
     assert "too little traffic" in decision.reason
     assert decision.history.samples == ()
-    assert not tune(None, params, SLO, BOUNDS, TuningHistory(), now=0.0).changed
+    assert not tune(None, params, TUNING, TuningHistory(), now=0.0).changed
 
 
 def test_headroom_without_a_queue_does_not_grow():
@@ -214,9 +213,9 @@ def test_violation_without_saturation_still_backs_off():
 
 
 def test_a_window_still_draining_a_decrease_is_not_judged():
-    params = EngineParams(32, 0.9)
+    params = EngineSettings(max_num_seqs=32, gpu_memory_utilization=0.9)
     draining = observation(mean_running_per_pod=48.0, itl_p99=0.2, max_num_seqs=32)
-    decision = tune(draining, params, SLO, BOUNDS, TuningHistory(), now=0.0)
+    decision = tune(draining, params, TUNING, TuningHistory(), now=0.0)
     assert not decision.changed and "draining" in decision.reason
     assert decision.history.samples[-1].batch == 48.0  # still a point for the latency fit
 
@@ -228,38 +227,38 @@ def test_kv_cache_caps_growth():
 
 
 def test_out_of_memory_lowers_memory_and_is_remembered():
-    params = EngineParams(32, 0.94)
+    params = EngineSettings(max_num_seqs=32, gpu_memory_utilization=0.94)
     history = TuningHistory()
-    oom = tune(observation(), params, SLO, BOUNDS, history, now=0.0, oom_kills=1)
-    assert oom.memory_changed and oom.params.gpu_memory_utilization < 0.94
-    assert oom.params.max_num_seqs == 32
+    oom = tune(observation(), params, TUNING, history, now=0.0, oom_kills=1)
+    assert oom.memory_changed and oom.settings.gpu_memory_utilization < 0.94
+    assert oom.settings.max_num_seqs == 32
     assert "out of memory" in oom.reason
     assert oom.history.oom_memory_ceiling == 0.94
 
     # Later preemptions push memory up again, but never back to the fraction that failed.
-    params, history = oom.params, oom.history
+    params, history = oom.settings, oom.history
     preempting = observation(preemptions_per_second=1.0, itl_p99=0.05, mean_running_per_pod=12.0, max_num_seqs=32)
     for step in range(1, 40):
-        decision = tune(preempting, params, SLO, BOUNDS, history, now=step * 700.0)
-        params, history = decision.params, decision.history
+        decision = tune(preempting, params, TUNING, history, now=step * 700.0)
+        params, history = decision.settings, decision.history
         assert params.gpu_memory_utilization < 0.94
 
 
 def test_memory_at_lower_bound_backs_off_max_num_seqs_instead():
-    decision = tune(observation(), EngineParams(32, 0.8), SLO, BOUNDS, TuningHistory(), now=0.0, oom_kills=2)
-    assert decision.params.gpu_memory_utilization == 0.8
-    assert decision.params.max_num_seqs < 32
+    decision = tune(observation(), EngineSettings(max_num_seqs=32, gpu_memory_utilization=0.8), TUNING, TuningHistory(), now=0.0, oom_kills=2)
+    assert decision.settings.gpu_memory_utilization == 0.8
+    assert decision.settings.max_num_seqs < 32
 
 
 def test_persistent_preemption_raises_memory_once_per_cooldown():
-    params, history = EngineParams(32, 0.9), TuningHistory()
+    params, history = EngineSettings(max_num_seqs=32, gpu_memory_utilization=0.9), TuningHistory()
     preempting = observation(preemptions_per_second=1.0, itl_p99=0.05, mean_running_per_pod=20.0, max_num_seqs=32)
     raised_at = []
     for step in range(8):
-        decision = tune(preempting, params, SLO, BOUNDS, history, now=step * INTERVAL)
+        decision = tune(preempting, params, TUNING, history, now=step * INTERVAL)
         if decision.memory_changed:
             raised_at.append(step)
-        params, history = decision.params, decision.history
+        params, history = decision.settings, decision.history
     assert raised_at == [1]  # two windows of evidence, then the cooldown holds it
     assert params.gpu_memory_utilization == pytest.approx(0.92)
 
@@ -267,10 +266,10 @@ def test_persistent_preemption_raises_memory_once_per_cooldown():
 def test_token_budget_follows_max_num_seqs():
     engine = SimulatedEngine(b=0.0001)
     rng = random.Random(0)
-    params = EngineParams(max_num_seqs=200, gpu_memory_utilization=0.9, max_num_batched_tokens=128)
-    decision = tune(engine.window(params, rng), params, SLO, BOUNDS, TuningHistory(), now=0.0)
-    assert decision.params.max_num_seqs > 200
-    assert decision.params.max_num_batched_tokens >= decision.params.max_num_seqs
+    params = EngineSettings(max_num_seqs=128, gpu_memory_utilization=0.9, max_num_batched_tokens=128)
+    decision = tune(engine.window(params, rng), params, TUNING, TuningHistory(), now=0.0)
+    assert decision.settings.max_num_seqs > 128
+    assert decision.settings.max_num_batched_tokens >= decision.settings.max_num_seqs
 
 
 def test_fit_recovers_the_line_and_refuses_a_single_batch_size():
@@ -278,8 +277,8 @@ def test_fit_recovers_the_line_and_refuses_a_single_batch_size():
     rng = random.Random(1)
     history = TuningHistory()
     for m in (8, 16, 32):
-        params = EngineParams(m, 0.9)
-        history = tune(engine.window(params, rng), params, SLO, BOUNDS, history, now=float(m)).history
+        params = EngineSettings(max_num_seqs=m, gpu_memory_utilization=0.9)
+        history = tune(engine.window(params, rng), params, TUNING, history, now=float(m)).history
     fit = fit_latency(history.samples, 0.09, TunerConfig())
     assert fit.intercept == pytest.approx(engine.a, abs=1e-6)
     assert fit.slope == pytest.approx(engine.b, rel=1e-6)
@@ -289,18 +288,83 @@ def test_fit_recovers_the_line_and_refuses_a_single_batch_size():
 
 def test_history_round_trips_through_status():
     trace, _ = run(SimulatedEngine(), 4, intervals=5)
-    params, history = EngineParams(4, 0.9), TuningHistory()
+    params, history = EngineSettings(max_num_seqs=4, gpu_memory_utilization=0.9), TuningHistory()
     for i in range(5):
-        decision = tune(SimulatedEngine().window(params, random.Random(i)), params, SLO, BOUNDS, history, now=i)
-        params, history = decision.params, decision.history
+        decision = tune(SimulatedEngine().window(params, random.Random(i)), params, TUNING, history, now=i)
+        params, history = decision.settings, decision.history
     assert TuningHistory.from_dict(history.to_dict()) == history
     assert history.changes and history.changes[-1].new == params.max_num_seqs
 
 
 def test_invalid_bounds_and_slo_name_the_field():
     with pytest.raises(ValueError, match="maxNumSeqs.min"):
-        Bounds(10, 5, 0.8, 0.9)
+        tuning(seqs=(10, 5))
     with pytest.raises(ValueError, match="gpuMemoryUtilization"):
-        Bounds(1, 5, 0.9, 1.2)
-    with pytest.raises(ValueError, match="itl_p99_seconds"):
-        Slo(itl_p99_seconds=0)
+        tuning(memory=(0.9, 1.2))
+    with pytest.raises(ValueError, match="itlP99Seconds"):
+        Slo(itlP99Seconds=0)
+
+
+# --- the TTFT SLO -------------------------------------------------------------------------
+
+
+@dataclass
+class QueueingEngine(SimulatedEngine):
+    """Arrivals beyond what any batch serves: requests wait ``queue_seconds`` for a slot, then
+    prefill in ``prefill_steps`` steps as long as decode steps. The TTFT is mostly queueing."""
+
+    queue_seconds: float = 4.0
+    prefill_steps: int = 4
+
+    def window(self, params: EngineSettings, rng: random.Random) -> Observation:
+        obs = super().window(params, rng)
+        prefill = self.prefill_steps * self.itl_p99(self.batch(params.max_num_seqs))
+        ttft = self.queue_seconds + prefill
+        return replace(obs, ttft_p99=ttft, queue_time_p99=self.queue_seconds,
+                       ttft_queue_share=self.queue_seconds / ttft)
+
+
+@dataclass
+class SlowPrefillEngine(SimulatedEngine):
+    """No queueing to speak of: the TTFT is the prefill, ``prefill_steps`` steps that slow with the batch."""
+
+    prefill_steps: int = 8
+
+    def ttft_p99(self, max_num_seqs: int) -> float:
+        return self.prefill_steps * self.itl_p99(self.batch(max_num_seqs))
+
+    def window(self, params: EngineSettings, rng: random.Random) -> Observation:
+        obs = super().window(params, rng)
+        return replace(obs, ttft_p99=self.ttft_p99(params.max_num_seqs), queue_time_p99=0.01, ttft_queue_share=0.02)
+
+
+def test_a_ttft_made_of_queueing_does_not_grow_the_batch_without_an_itl_slo():
+    # The old tuner grew any TTFT-only service x2 per interval up to its bound, every stream slowing.
+    ttft_only = tuning(Slo(ttft_p99_seconds=2.0))
+    trace, final = run(QueueingEngine(), 16, intervals=8, within=ttft_only)
+    assert [m for m, _ in trace] == [16] * 8 and final.max_num_seqs == 16
+    assert all("queueing, which more replicas cure" in reason for _, reason in trace), trace[-1][1]
+
+
+def test_a_ttft_made_of_queueing_grows_the_batch_only_within_the_itl_slo():
+    both = tuning(Slo(ttft_p99_seconds=2.0, itl_p99_seconds=0.100))
+    engine = QueueingEngine()
+    trace, final = run(engine, 8, intervals=12, within=both)
+    seqs = [m for m, _ in trace] + [final.max_num_seqs]
+    assert final.max_num_seqs > 8  # more throughput per replica while ITL has room
+    assert all(engine.itl_p99(engine.batch(m)) <= 0.100 for m in seqs), seqs
+    assert final.max_num_seqs >= 0.85 * max(m for m in range(1, 257) if engine.itl_p99(engine.batch(m)) <= 0.100)
+
+
+@pytest.mark.parametrize("start", [2, 256])
+def test_a_ttft_made_of_prefill_sets_the_batch_like_an_itl_slo(start):
+    engine = SlowPrefillEngine()  # TTFT = 8 steps: at most ~56 sequences meet 1 s
+    ttft_only = tuning(Slo(ttft_p99_seconds=1.0))
+    trace, final = run(engine, start, intervals=16, within=ttft_only)
+    seqs = [m for m, _ in trace] + [final.max_num_seqs]
+    best = max(m for m in range(1, 257) if engine.ttft_p99(m) <= 1.0)
+    assert engine.ttft_p99(final.max_num_seqs) <= 1.0, (seqs, trace[-1][1])
+    assert final.max_num_seqs >= 0.85 * best, seqs
+    assert reversals(seqs[-8:]) == 0, seqs
+    if start == 256:
+        assert "the steps are too slow" in trace[0][1]

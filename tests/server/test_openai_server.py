@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot import metric_names as names
+from kvpilot import engine_contract as names
 
 API_KEY = "test-key"
 ADMIN_TOKEN = "admin-token"

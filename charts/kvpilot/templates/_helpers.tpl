@@ -63,8 +63,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   # watch keeps the status fresh; create+patch is server-side apply
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
-  resources: ["services", "configmaps"]
+  resources: ["services"]
   verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  # watch: a tuning ConfigMap the control loop changed triggers the reconcile that renders it
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["secrets"]
   # the engines' admin token: created once, read by the tuner

@@ -1,16 +1,51 @@
-"""The metrics contract between the engine (which exports) and the operator (which reads).
+"""The contract between the engine (`kvpilot serve`) and the operator that drives it.
 
-Defined once, with no heavy imports, so the operator's image never needs torch.
-Names follow Prometheus conventions: the ``kvpilot_`` prefix, base units in the
-name (``_seconds``, ``_ratio``), and ``_total`` on counters. prometheus_client
-appends ``_total`` to a Counter's name by itself, so counters are listed here
-by their exposed name and the engine strips the suffix when it registers them
-(see ``counter_base_name``).
+Every name one side writes and the other reads is spelled here once: the port and
+HTTP paths, the admin API's keys, the tuning file's keys, the environment
+variables, and the Prometheus metrics the engine exports and the operator reads.
+The module imports nothing, so the operator's image never needs torch and the
+engine never needs kopf; both import it.
 
-docs/metrics.md maps each one to its vLLM counterpart.
+Metric names follow Prometheus conventions: the ``kvpilot_`` prefix, base units in
+the name (``_seconds``, ``_ratio``), and ``_total`` on counters. prometheus_client
+appends ``_total`` to a Counter's name by itself, so counters are listed here by
+their exposed name and the engine strips the suffix when it registers them (see
+``counter_base_name``). docs/metrics.md maps each one to its vLLM counterpart.
 """
 
 from __future__ import annotations
+
+# --- HTTP ---------------------------------------------------------------------------
+
+ENGINE_PORT = 8000  # `kvpilot serve --port` default; the Service and the pods' containerPort
+HEALTH_PATH = "/health"  # 200 while serving, 503 while draining or when the engine died
+METRICS_PATH = "/metrics"  # Prometheus text exposition, no auth
+# GET reads, POST changes the scheduler limits live; `Authorization: Bearer <admin token>`.
+ADMIN_SCHEDULER_PATH = "/admin/v1/scheduler"
+# The admin API's JSON keys: the limits it changes live, named as `kvpilot serve`'s flags.
+LIVE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens")
+
+# --- start-up ------------------------------------------------------------------------
+
+ENV_PREFIX = "KVPILOT_"  # every `kvpilot serve` flag also reads KVPILOT_<FLAG>
+
+
+def flag_env(flag: str) -> str:
+    """The environment variable of a `kvpilot serve` flag (``admin_token`` -> ``KVPILOT_ADMIN_TOKEN``)."""
+    return ENV_PREFIX + flag.upper()
+
+
+ADMIN_TOKEN_ENV = flag_env("admin_token")  # turns the admin API on, with this bearer token
+
+# `kvpilot serve --tuning-file`: a JSON/YAML mapping whose values override the flags at start,
+# so live-tuned values survive a restart. File key -> the flag it overrides.
+TUNING_FILE_KEYS = {
+    "maxNumSeqs": "max_num_seqs",
+    "maxNumBatchedTokens": "max_num_batched_tokens",
+    "gpuMemoryUtilization": "gpu_memory_utilization",
+}
+
+# --- metrics -------------------------------------------------------------------------
 
 # Gauges: sampled at scrape time.
 REQUESTS_RUNNING = "kvpilot_num_requests_running"

@@ -1,17 +1,15 @@
-"""Metrics math: quantiles from bucket deltas, rates, windows, scraping."""
+"""The engines' metrics, read: quantiles from bucket deltas, rates, windows, merging pods."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
-import socket
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvpilot import metric_names as names
-from kvpilot.operator.metrics import (
+from kvpilot import engine_contract as names
+from kvpilot.operator.engine_metrics import (
     MetricsCollector,
     PodWindow,
     histogram_quantile,
@@ -50,6 +48,9 @@ class EngineMetrics:
         ).labels(model)
         self.ttft = Histogram(
             names.TIME_TO_FIRST_TOKEN, "", label, buckets=names.TIME_TO_FIRST_TOKEN_BUCKETS, registry=r
+        ).labels(model)
+        self.queue_time = Histogram(
+            names.REQUEST_QUEUE_TIME, "", label, buckets=names.REQUEST_LATENCY_BUCKETS, registry=r
         ).labels(model)
         self.max_num_seqs.set(16)
 
@@ -201,25 +202,28 @@ def test_collector_merges_pods_and_reports_unscrapable_ones():
     assert 0.0 < result.service.itl_p50 <= 0.5
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def test_a_pod_missing_from_a_round_starts_afresh_when_it_returns():
+    collector = MetricsCollector(window_seconds=60.0)
+    a = EngineMetrics()
+    collector.ingest({"a": a.text()}, 0.0)
+    a.generation.inc(100)
+    assert collector.ingest({"a": a.text()}, 10.0).service.output_tokens_per_second == pytest.approx(10.0)
+    collector.ingest({}, 20.0)  # not Ready this round: forgotten
+    a.generation.inc(100)
+    assert collector.ingest({"a": a.text()}, 30.0).service is None  # one snapshot: no window yet
 
 
-def test_collect_scrapes_over_http_and_survives_a_dead_pod():
+def test_ttft_splits_into_queueing_and_prefill():
+    collector = MetricsCollector(window_seconds=60.0)
     engine = EngineMetrics()
-    port = free_port()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=engine.registry)
-    try:
-        targets = {"live": f"http://127.0.0.1:{port}/metrics", "dead": f"http://127.0.0.1:{free_port()}/metrics"}
-        collector = MetricsCollector(window_seconds=30.0, scrape_timeout_seconds=2.0)
-        asyncio.run(collector.collect(targets))
-        engine.generation.inc(50)
-        result = asyncio.run(collector.collect(targets))
-    finally:
-        server.shutdown()
-        thread.join()
-    assert result.unreachable == ["dead"]
-    assert result.pods["live"].observation is not None
-    assert result.service.output_tokens_per_second > 0
+    collector.ingest({"a": engine.text()}, 0.0)
+    for _ in range(50):  # each request: 1.5 s in the queue, then 0.5 s of prefill
+        engine.queue_time.observe(1.5)
+        engine.ttft.observe(2.0)
+    queued = collector.ingest({"a": engine.text()}, 10.0).service
+    assert queued.ttft_queue_share == pytest.approx(0.75) and queued.ttft_from_queueing
+    for _ in range(450):  # then many requests that never wait: the window (both rounds) is mostly prefill
+        engine.queue_time.observe(0.0)
+        engine.ttft.observe(0.4)
+    prefill = collector.ingest({"a": engine.text()}, 20.0).service
+    assert prefill.ttft_queue_share == pytest.approx(75 / 280) and not prefill.ttft_from_queueing

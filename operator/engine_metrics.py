@@ -1,7 +1,8 @@
-"""Scrape engine pods' /metrics and turn windows of snapshots into observations.
+"""The engines' /metrics, read into windows of snapshots and observations of load and latency.
 
-Every tuning interval the operator reads each Ready engine pod's Prometheus
-exposition. A pod keeps a sliding window of parsed snapshots; the difference
+Every tuning interval the operator scrapes each Ready engine pod's Prometheus
+exposition (``engine_client.py`` does the HTTP) and hands the texts to a
+``MetricsCollector``. A pod keeps a sliding window of parsed snapshots; the difference
 between the oldest and newest snapshot in the window gives rates and
 histogram bucket increases, from which quantiles are read the way
 Prometheus's ``histogram_quantile`` does (linear interpolation inside the
@@ -14,16 +15,14 @@ window would blur exactly what it measures.
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot import metric_names as names
+from kvpilot import engine_contract as names
 
 GAUGES = (
     names.REQUESTS_RUNNING,
@@ -232,13 +231,19 @@ def merge_deltas(deltas: Iterable[WindowDelta]) -> WindowDelta | None:
     return WindowDelta(seconds, pods, counters, histograms, gauge_means, gauge_lasts, settings)
 
 
+# A TTFT made at least this much of queueing is the autoscaler's to fix, not the batch size's.
+QUEUEING_SHARE = 0.5
+
+
 @dataclass(frozen=True)
 class Observation:
     """A window's metrics, for one pod or a whole service (sums over pods).
 
     Latency quantiles are in seconds and None when the window saw no sample.
     ``mean_running_per_pod`` is the step-weighted mean batch size, the x of the
-    tuner's latency model.
+    tuner's latency model. ``ttft_queue_share`` splits the time to first token:
+    the share of it spent waiting for a batch slot (mean queue time / mean TTFT;
+    both are observed once per request, so the rest is prefill).
     """
 
     window_seconds: float
@@ -267,6 +272,12 @@ class Observation:
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     gpu_memory_utilization: float | None
+    ttft_queue_share: float | None = None
+
+    @property
+    def ttft_from_queueing(self) -> bool:
+        """Most of the time to first token went to waiting for a batch slot: capacity, not step time."""
+        return self.ttft_queue_share is not None and self.ttft_queue_share >= QUEUEING_SHARE
 
 
 def observe(delta: WindowDelta) -> Observation:
@@ -285,6 +296,8 @@ def observe(delta: WindowDelta) -> Observation:
     finished = counters.get(names.REQUEST_SUCCESS, 0.0)
     generated = counters.get(names.GENERATION_TOKENS, 0.0)
     itl = hists.get(names.INTER_TOKEN_LATENCY)
+    ttft = hists.get(names.TIME_TO_FIRST_TOKEN)
+    queue = hists.get(names.REQUEST_QUEUE_TIME)
     settings = delta.setting_gauges
 
     def setting_int(name: str) -> int | None:
@@ -317,6 +330,8 @@ def observe(delta: WindowDelta) -> Observation:
         max_num_seqs=setting_int(names.MAX_NUM_SEQS),
         max_num_batched_tokens=setting_int(names.MAX_NUM_BATCHED_TOKENS),
         gpu_memory_utilization=settings.get(names.GPU_MEMORY_UTILIZATION),
+        ttft_queue_share=min(max(queue.total / ttft.total, 0.0), 1.0)
+        if ttft is not None and queue is not None and ttft.total > 0 else None,
     )
 
 
@@ -388,44 +403,22 @@ class ServiceMetrics:
         return sorted(p for p, report in self.pods.items() if report.error is not None)
 
 
-async def fetch_metrics_text(url: str, timeout_seconds: float, session) -> str:
-    """GET a /metrics page with an aiohttp session; raises on HTTP errors and timeouts."""
-    import aiohttp
-
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as response:
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status} from {url}")
-        return await response.text()
-
-
 class MetricsCollector:
-    """Scrapes a service's pods and keeps their windows between tuning intervals.
+    """Keeps a service's pod windows between tuning intervals.
 
-    ``targets`` map a pod's key (name + uid, so a replaced pod starts fresh) to
-    its metrics URL. Pods that leave the target set are forgotten.
+    Each round of scrapes maps a pod to its exposition text or the exception
+    that failed it; a pod missing from a round (gone, or no longer Ready) is
+    forgotten, so a replaced pod starts a fresh window.
     """
 
-    def __init__(self, window_seconds: float, scrape_timeout_seconds: float = 5.0) -> None:
+    def __init__(self, window_seconds: float) -> None:
         self.window_seconds = window_seconds
-        self.scrape_timeout_seconds = scrape_timeout_seconds
         self.windows: dict[str, PodWindow] = {}
-
-    async def collect(self, targets: Mapping[str, str]) -> ServiceMetrics:
-        import aiohttp
-
-        for gone in set(self.windows) - set(targets):
-            del self.windows[gone]
-        async with aiohttp.ClientSession() as session:
-            results = await asyncio.gather(
-                *(fetch_metrics_text(url, self.scrape_timeout_seconds, session) for url in targets.values()),
-                return_exceptions=True,
-            )
-        scraped_at = time.time()
-        texts: dict[str, str | BaseException] = dict(zip(targets, results))
-        return self.ingest(texts, scraped_at)
 
     def ingest(self, texts: Mapping[str, str | BaseException], scraped_at: float) -> ServiceMetrics:
         """Add one round of scrape results (text, or the exception that failed it)."""
+        for gone in set(self.windows) - set(texts):
+            del self.windows[gone]
         reports: dict[str, PodReport] = {}
         deltas: list[WindowDelta] = []
         for pod, text in texts.items():

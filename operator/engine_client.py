@@ -1,0 +1,88 @@
+"""The only code that speaks HTTP to engine pods: the twin of ``kube.py``.
+
+Two calls, both fanned out over a service's pods at once and both answering
+per pod, so one slow or dead pod never holds up or fails the others:
+
+- ``scrape``: each pod's Prometheus exposition (``GET /metrics``);
+- ``set_scheduler_limits``: the live settings (``POST /admin/v1/scheduler``,
+  bearer admin token), which the engine's scheduler applies from its next step.
+
+Paths, port and keys come from the engine contract. The standard library is
+enough: a few pods per service, a few requests each interval.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from kvpilot import engine_contract as contract
+from kvpilot.operator.spec import EngineSettings
+
+T = TypeVar("T")
+
+
+def pod_url(pod_ip: str) -> str:
+    """The base URL of an engine pod."""
+    return f"http://{pod_ip}:{contract.ENGINE_PORT}"
+
+
+class EngineClient:
+    """Calls engines by base URL (``pod_url``), ``timeout_seconds`` per request."""
+
+    def __init__(self, timeout_seconds: float = 5.0, max_parallel: int = 16) -> None:
+        self.timeout_seconds = timeout_seconds
+        self.max_parallel = max_parallel
+
+    def scrape(self, engines: Mapping[str, str]) -> dict[str, str | Exception]:
+        """Each engine's /metrics text, or the exception that stopped it; ``engines`` maps a key to a base URL."""
+
+        def get(url: str) -> str:
+            with urllib.request.urlopen(url + contract.METRICS_PATH, timeout=self.timeout_seconds) as response:
+                return response.read().decode()
+
+        return self._each(engines, get)
+
+    def set_scheduler_limits(self, engines: Mapping[str, str], settings: EngineSettings,
+                             token: str | None) -> dict[str, str]:
+        """Sends the live settings to each engine; returns key → error for those that did not take them."""
+        if token is None:
+            return {key: "the admin token Secret is missing" for key in engines}
+        body = {name: getattr(settings, name) for name in contract.LIVE_SETTINGS
+                if getattr(settings, name) is not None}
+        data = json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+        def post(url: str) -> None:
+            request = urllib.request.Request(url + contract.ADMIN_SCHEDULER_PATH, data, headers, method="POST")
+            with urllib.request.urlopen(request, timeout=self.timeout_seconds):
+                pass
+
+        return {key: _describe(outcome) for key, outcome in self._each(engines, post).items()
+                if isinstance(outcome, Exception)}
+
+    def _each(self, engines: Mapping[str, str], call: Callable[[str], T]) -> dict[str, T | Exception]:
+        if not engines:
+            return {}
+
+        def guarded(url: str) -> T | Exception:
+            try:
+                return call(url)
+            except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts, refused connections
+                return exc
+
+        with ThreadPoolExecutor(max_workers=min(self.max_parallel, len(engines))) as pool:
+            outcomes = list(pool.map(guarded, engines.values()))
+        return dict(zip(engines, outcomes))
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, urllib.error.HTTPError):
+        return f"HTTP {error.code}: {error.read().decode(errors='replace')[:200]}"
+    if isinstance(error, urllib.error.URLError):
+        return f"{type(error.reason).__name__}: {error.reason}"
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,127 @@
+"""One control interval, planned: from what was read to what to write, with no I/O."""
+
+from __future__ import annotations
+
+from kvpilot.operator import spec
+from kvpilot.operator.control_loop import wants_loop
+from kvpilot.operator.engine_metrics import Observation, PodReport, ServiceMetrics
+from kvpilot.operator.plan import Memory, Reading, count_new_oom_kills, plan, settle_seconds
+from kvpilot.operator.spec import EngineSettings
+
+INTERVAL = 30.0
+SPEC = spec.parse_spec({
+    "model": {"uri": "pvc://m"},
+    "engine": {"maxNumSeqs": 16},
+    "tuning": {"slo": {"itlP99Seconds": 0.1}, "maxNumSeqs": {"min": 1, "max": 64}},
+})
+AUTOSCALED = SPEC.model_copy(update={"autoscaling": spec.Autoscaling(min_replicas=1, max_replicas=3)})
+IN_EFFECT = EngineSettings.of(SPEC.engine)
+
+
+def observation(**fields) -> Observation:
+    """A saturated window: 16 running of max_num_seqs 16, a queue, ITL well under the 100 ms SLO."""
+    base = dict(
+        window_seconds=INTERVAL, pods=2, output_tokens_per_second=600.0, prompt_tokens_per_second=900.0,
+        requests_per_second=4.0, requests_finished=120.0, itl_samples=9000.0, ttft_p50=0.2, ttft_p99=0.5,
+        itl_p50=0.04, itl_p99=0.05, e2e_p50=5.0, e2e_p99=9.0, queue_time_p99=0.3, mean_running_per_pod=16.0,
+        running=32.0, waiting=10.0, waiting_now=10.0, kv_cache_usage=0.3, kv_cache_blocks=2000.0,
+        preemptions_per_second=0.0, prefix_cache_hit_rate=None, mean_output_tokens_per_request=150.0,
+        max_num_seqs=16, max_num_batched_tokens=2048, gpu_memory_utilization=0.9,
+    )
+    base.update(fields)
+    return Observation(**base)
+
+
+def reading(obs: Observation | None = None, *, reported=None, unreachable=(), pods=(), spec_=SPEC,
+            in_effect=IN_EFFECT, ready=("a", "b")) -> Reading:
+    reports = {pod: PodReport(pod, None) for pod in ready}
+    reports.update({pod: PodReport(pod, None, "URLError: refused") for pod in unreachable})
+    return Reading(name="llama", namespace="ml", spec=spec_, pods=list(pods),
+                   ready={pod: f"http://10.0.0.{i}:8000" for i, pod in enumerate(ready)},
+                   metrics=ServiceMetrics(obs if obs is not None else observation(), reports),
+                   engine_max_num_seqs=reported if reported is not None else {pod: 16 for pod in ready},
+                   in_effect=in_effect, now=1000.0)
+
+
+def _plan(read: Reading, memory: Memory = Memory()):
+    return plan(read, memory, interval=INTERVAL, scale_down_stabilization_seconds=300.0)
+
+
+def test_a_new_max_num_seqs_goes_to_the_configmap_and_every_ready_engine():
+    result = _plan(reading())
+    assert result.decision.num_seqs_changed and result.new_settings.max_num_seqs > 16
+    assert result.live == result.new_settings and result.push == ("a", "b")
+    assert result.restart_windows_at == 1000.0 + settle_seconds(INTERVAL)
+    assert [e.reason for e in result.events] == ["Tuned"] and "max_num_seqs 16 →" in result.events[0].message
+    assert set(result.status) == {"metrics", "tuning"}
+    assert result.memory.tuning == result.decision.history
+
+
+def test_without_a_change_only_engines_that_run_other_values_are_pushed():
+    quiet = observation(itl_samples=10.0)  # too little traffic: the tuner holds
+    result = _plan(reading(quiet, reported={"a": 16, "b": 4}))
+    assert not result.decision.changed and result.new_settings is None
+    assert result.push == ("b",) and result.live == IN_EFFECT and result.restart_windows_at is None
+    assert result.events == ()
+
+
+def test_a_memory_change_rolls_pods_through_the_configmap_not_the_admin_api():
+    pod = {"metadata": {"name": "a", "uid": "u"},
+           "status": {"containerStatuses": [{"name": "engine", "restartCount": 1,
+                                             "lastState": {"terminated": {"reason": "OOMKilled"}}}]}}
+    seen = _plan(reading(observation(itl_samples=10.0), pods=[pod])).memory
+    pod["status"]["containerStatuses"][0]["restartCount"] = 2
+    result = _plan(reading(observation(itl_samples=10.0), pods=[pod]), seen)
+    assert result.decision.memory_changed and not result.decision.live_settings_changed
+    assert result.new_settings.gpu_memory_utilization < 0.9
+    assert result.push == () and result.restart_windows_at is None
+    assert [e.reason for e in result.events] == ["TunedMemory"]
+
+
+def test_the_autoscaler_asks_for_replicas_and_sees_the_new_settings():
+    busy = observation(output_tokens_per_second=2000.0, waiting_now=200.0, pods=1)
+    result = _plan(reading(busy, ready=("a",), spec_=AUTOSCALED))
+    assert result.replicas is not None and result.replicas > 1
+    assert "Scaled" in [e.reason for e in result.events] and set(result.status) == {"metrics", "tuning", "autoscaling"}
+    assert result.memory.scaling == result.scale.history
+
+
+def test_metrics_unavailable_is_posted_once_per_outage():
+    first = _plan(reading(unreachable=("b",), ready=("a", "b")))
+    assert [e.reason for e in first.events if e.type == "Warning"] == ["MetricsUnavailable"]
+    again = _plan(reading(unreachable=("b",), ready=("a", "b")), first.memory)
+    assert [e for e in again.events if e.reason == "MetricsUnavailable"] == []
+    assert first.status["metrics"]["unscrapedPods"] == ["b"]
+
+
+def test_a_service_that_only_autoscales_reports_no_tuning():
+    only_scaling = AUTOSCALED.model_copy(update={"tuning": None})
+    result = _plan(reading(spec_=only_scaling))
+    assert result.decision is None and "tuning" not in result.status and result.new_settings is None
+
+
+def test_oom_kills_count_only_new_restarts_with_oomkilled():
+    def pod(uid: str, restarts: int, reason: str | None) -> dict:
+        last = {"terminated": {"reason": reason, "exitCode": 137}} if reason else {}
+        return {"metadata": {"name": f"p-{uid}", "uid": uid},
+                "status": {"containerStatuses": [{"name": "engine", "restartCount": restarts, "lastState": last}]}}
+
+    kills, seen = count_new_oom_kills([pod("a", 2, "OOMKilled"), pod("b", 0, None)], {})
+    assert kills == 0  # the baseline
+    kills, seen = count_new_oom_kills([pod("a", 3, "OOMKilled"), pod("b", 1, "Error")], seen)
+    assert kills == 1
+    assert count_new_oom_kills([pod("a", 3, "OOMKilled"), pod("b", 1, "Error")], seen)[0] == 0
+
+
+def test_loop_runs_only_for_services_that_tune_or_scale():
+    assert not wants_loop({})
+    assert wants_loop({"tuning": {"slo": {"itlP99Seconds": 0.1}}})
+    assert not wants_loop({"tuning": {"enabled": False}})
+    assert wants_loop({"autoscaling": {"maxReplicas": 3}})
+
+
+def test_the_window_after_a_change_starts_a_fifth_of_an_interval_later_within_bounds():
+    assert settle_seconds(30.0) == 6.0
+    assert settle_seconds(5.0) == 2.0
+    assert settle_seconds(600.0) == 10.0
+
