@@ -165,7 +165,7 @@ class ControlLoop:
         failures: list[Event] = []
         if result.new_settings is not None:
             self.kube.apply(builders.build_tuning_configmap(name, namespace, spec, result.new_settings), owner=body)
-        if result.push and result.live is not None:
+        if result.push:
             token = builders.admin_token(self.kube.get("v1", "Secret", namespace, builders.admin_secret_name(name)))
             targets = {pod: reading.ready[pod] for pod in result.push}
             failed = self.engines.set_scheduler_limits(targets, result.live, token)
@@ -178,7 +178,7 @@ class ControlLoop:
                 elif result.restart_windows_at is None:
                     service.collector.restart_pod_window(pod, expect_max_num_seqs=seqs)
                     log.info("%s/%s: pod %s brought back to maxNumSeqs %d", namespace, name, pod, seqs)
-        if result.restart_windows_at is not None and result.live is not None:
+        if result.restart_windows_at is not None:
             service.collector.restart_windows(expect_max_num_seqs=result.live.max_num_seqs)
             service.restart_windows_at = result.restart_windows_at
             service.expect_max_num_seqs = result.live.max_num_seqs

@@ -61,9 +61,9 @@ class Plan:
 
     memory: Memory
     status: dict[str, Any]
+    live: EngineSettings  # the settings the engines should run: the new ones, or those in effect
     events: tuple[Event, ...] = ()
     new_settings: EngineSettings | None = None  # for the tuning ConfigMap; None: unchanged
-    live: EngineSettings | None = None
     push: tuple[str, ...] = ()
     restart_windows_at: float | None = None
     replicas: int | None = None  # for the scale subresource; None: unchanged

@@ -7,8 +7,9 @@ same variables (or the defaults) and the ``kvpilot operator`` flags override the
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpilot import __version__
 
@@ -40,6 +41,14 @@ class OperatorSettings:
     health_port: int = 8080
     # Port of the operator's own Prometheus /metrics: tuning decisions, scrape errors (0 disables it).
     metrics_port: int = 8081
+    # Address the /healthz and /metrics endpoints listen on (the pod IP on the local cluster, where
+    # pods share the host's network).
+    listen_address: str = "0.0.0.0"
+    # Leader election: the Lease "NAMESPACE/NAME" that one replica at a time holds (None: off, this
+    # process is the only operator), how long an unrenewed Lease lasts, and this replica's name in it.
+    leader_election_lease: tuple[str, str] | None = None
+    leader_election_lease_seconds: float = 15.0
+    leader_election_identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     # Seconds of lower demand the autoscaler waits out before removing a replica.
     scale_down_stabilization_seconds: float = 300.0
 
@@ -62,6 +71,11 @@ class OperatorSettings:
             metrics_port=_int(env, "KVPILOT_METRICS_PORT", defaults.metrics_port, 0),
             scale_down_stabilization_seconds=_float(env, "KVPILOT_SCALE_DOWN_STABILIZATION_SECONDS",
                                                     defaults.scale_down_stabilization_seconds, 0.0),
+            listen_address=env.get("KVPILOT_LISTEN_ADDRESS") or defaults.listen_address,
+            leader_election_lease=_lease(env, "KVPILOT_LEADER_ELECTION_LEASE"),
+            leader_election_lease_seconds=_float(env, "KVPILOT_LEADER_ELECTION_LEASE_SECONDS",
+                                                 defaults.leader_election_lease_seconds, 5.0),
+            leader_election_identity=env.get("KVPILOT_POD_NAME") or defaults.leader_election_identity,
         )
 
     @property
@@ -105,6 +119,16 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     if raw.lower() in ("0", "false", "no", "off"):
         return False
     raise SettingsError(f"{name}={raw!r}: must be true or false")
+
+
+def _lease(env: Mapping[str, str], name: str) -> tuple[str, str] | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    namespace, _, lease = raw.partition("/")
+    if not namespace or not lease or "/" in lease:
+        raise SettingsError(f"{name}={raw!r}: must be NAMESPACE/NAME of the Lease to hold")
+    return namespace, lease
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], *, upper: bool = False) -> str | None:

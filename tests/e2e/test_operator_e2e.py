@@ -1,11 +1,12 @@
 """The operator end to end, on the local control plane.
 
-The Helm chart is installed for real (namespaced RBAC, into its own namespace), so the
-operator runs as the chart's pod, with the chart's ServiceAccount and nothing more; its
-engines are real `kvpilot serve` processes on a generated tiny model, on the CPU, asking the
-fake nodes for `nvidia.com/gpu`. The tests run in file order and share one InferenceService,
-`tiny`, from examples/local-cpu.yaml: it is created, served from, edited, scaled, survives an
-operator kill, and is deleted last.
+The Helm chart is installed for real (namespaced RBAC, into its own namespace, two operator
+replicas electing a leader), so the operator runs as the chart's pods, with the chart's
+ServiceAccount and nothing more; its engines are real `kvpilot serve` processes on a
+generated tiny model, on the CPU, asking the fake nodes for `nvidia.com/gpu`. The tests run
+in file order and share one InferenceService, `tiny`, from examples/local-cpu.yaml: it is
+created, served from, edited, scaled, survives the leader operator's kill (the standby takes
+over), and is deleted last.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ INVALID = yaml.safe_load((crd.REPO_ROOT / "tests" / "operator" / "invalid_specs.
 ENGINE_READY_S = 240  # a pod's engine process imports torch and loads the model on 2 shared cores
 RESYNC_SECONDS = 5
 OPERATOR_HEALTH_PORT = 18481  # pods share the host's network: keep clear of common ports
+LEASE = f"{RELEASE}-kvpilot"  # the chart's Lease, named after the release
+LEASE_SECONDS = 15  # the chart's default leaderElection.leaseSeconds
 
 
 # --- fixtures and helpers ---------------------------------------------------------------
@@ -64,6 +67,8 @@ def operator(cluster, kube):
         "--set", f"healthPort={OPERATOR_HEALTH_PORT}",
         "--set", f"metricsPort={OPERATOR_HEALTH_PORT + 1}",
         "--set", "logLevel=DEBUG",
+        "--set", "replicaCount=2",
+        "--set", "bindPodIP=true",  # two operators on one host: each listens on its pod IP
     )
     _wait_operator_running(cluster, kube)
     yield
@@ -71,13 +76,20 @@ def operator(cluster, kube):
     cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
 
 
-def _wait_operator_running(cluster, kube) -> dict:
-    def running():
-        pods = [p for p in kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
-                if not p["metadata"].get("deletionTimestamp")]
-        return pods[0] if len(pods) == 1 and _ready(pods[0]) else None
+def _lease_holder(kube) -> str | None:
+    lease = kube.get("coordination.k8s.io/v1", "Lease", NS, LEASE)
+    return ((lease or {}).get("spec") or {}).get("holderIdentity") or None
 
-    return _wait(cluster, running, 60, "the operator pod to run")
+
+def _wait_operator_running(cluster, kube) -> dict:
+    """Both operator replicas run and one of them holds the Lease; returns the leader's pod."""
+    def running():
+        pods = {p["metadata"]["name"]: p for p in kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
+                if not p["metadata"].get("deletionTimestamp")}
+        leader = pods.get(_lease_holder(kube) or "")
+        return leader if len(pods) == 2 and all(_ready(p) for p in pods.values()) else None
+
+    return _wait(cluster, running, 90, "two operator replicas, one of them leading")
 
 
 def _ready(pod: dict) -> bool:
@@ -262,15 +274,37 @@ def test_kubectl_scale_adds_a_replica_and_a_pdb(cluster, kube, operator):
     _wait_ready(cluster, kube, "tiny", 1)
 
 
-def test_operator_killed_mid_reconcile_converges(cluster, kube, operator):
+def _deployment_max_num_seqs(kube) -> str:
+    return _flag(kube.get("apps/v1", "Deployment", NS, "tiny")["spec"]["template"]["spec"]["containers"][0]["args"],
+                 "--max-num-seqs")
+
+
+def test_the_standby_takes_over_when_the_leader_is_killed_mid_reconcile(cluster, kube, operator):
     token_before = kube.get("v1", "Secret", NS, "tiny-admin")["data"]["token"]
-    old_operator = _wait_operator_running(cluster, kube)
+    leader = _wait_operator_running(cluster, kube)
+    (standby,) = [p["metadata"]["name"] for p in kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
+                  if p["metadata"]["name"] != leader["metadata"]["name"]]
+    transitions = kube.get("coordination.k8s.io/v1", "Lease", NS, LEASE)["spec"].get("leaseTransitions", 0)
+    cluster.kubectl("patch", "kvis", "tiny", "-n", NS, "--type", "merge",
+                    "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 11}}}))
+    # No grace: the leader is gone before it could hand the Lease back, as if its node died.
+    cluster.kubectl("delete", "pod", leader["metadata"]["name"], "-n", NS, "--grace-period=0", "--force")
+    killed = time.monotonic()
     cluster.kubectl("patch", "kvis", "tiny", "-n", NS, "--type", "merge",
                     "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 12}}}))
-    cluster.kubectl("delete", "pod", old_operator["metadata"]["name"], "-n", NS, "--grace-period=0", "--force")
 
-    new_operator = _wait_operator_running(cluster, kube)
-    assert new_operator["metadata"]["uid"] != old_operator["metadata"]["uid"]
+    _wait(cluster, lambda: _lease_holder(kube) == standby, LEASE_SECONDS + 30, "the standby to take the Lease")
+    took_lease = time.monotonic() - killed
+    _wait(cluster, lambda: _deployment_max_num_seqs(kube) == "12", 60, "the new leader to apply the spec")
+    acted = time.monotonic() - killed
+    print(f"\ntakeover after the leader's kill: Lease in {took_lease:.1f} s, spec applied in {acted:.1f} s "
+          f"(lease {LEASE_SECONDS} s)")
+    # The Lease expires after LEASE_SECONDS unrenewed (2 s retries); then kopf starts and reconciles.
+    assert acted < LEASE_SECONDS + 25, acted
+    assert kube.get("coordination.k8s.io/v1", "Lease", NS, LEASE)["spec"]["leaseTransitions"] == transitions + 1
+
+    new_leader = _wait_operator_running(cluster, kube)  # the killed pod's replacement stands by
+    assert new_leader["metadata"]["name"] == standby
     kvis = _wait_ready(cluster, kube, "tiny", 1)
     assert kvis["status"]["engine"]["maxNumSeqs"] == 12
     (pod,) = _engine_pods(kube, "tiny")

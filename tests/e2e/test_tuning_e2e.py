@@ -83,6 +83,8 @@ def operator(cluster, kube):
         "--set", "engine.shutdownGraceSeconds=5",
         "--set", "engine.drainSeconds=2",
         "--set", "engine.startupSeconds=600",
+        # status.engine must follow the tuning ConfigMap through its change event, not a resync.
+        "--set", "resyncSeconds=3600",
         "--set", f"healthPort={OPERATOR_HEALTH_PORT}",
         "--set", f"metricsPort={OPERATOR_HEALTH_PORT + 1}",
         "--set-json", "extraEnv=" + json.dumps(
@@ -288,3 +290,25 @@ def test_autoscaler_removes_the_replica_after_the_load_drops_without_failing_req
     assert "scaling down 2 → 1" in _events(cluster, "Scaled")
     assert load.failures[failures_before:] == []
     assert load.ok > 0
+
+
+def test_a_ttft_slo_broken_by_queueing_adds_a_replica_not_a_larger_batch(cluster, kube, load):
+    assert kube.get_inference_service(NS, NAME)["spec"]["replicas"] == 1
+    tuned = _status(kube)["engine"]["maxNumSeqs"]
+    # Only a TTFT SLO, far below what requests queueing for one replica's batch wait.
+    cluster.kubectl("patch", "kvis", NAME, "-n", NS, "--type", "merge", "-p", json.dumps(
+        {"spec": {"tuning": {"slo": {"itlP99Seconds": None, "ttftP99Seconds": 0.1}}}}))
+    load.resize(24)
+    engine_values, reasons = [], []
+
+    def scaled_out_while_the_tuner_held():
+        status = _status(kube)
+        engine_values.append(status["engine"]["maxNumSeqs"])
+        reasons.append(status["tuning"]["reason"])
+        return kube.get_inference_service(NS, NAME)["spec"]["replicas"] == 2 and \
+            any("from queueing, which more replicas cure" in r for r in reasons)
+
+    _wait(cluster, kube, scaled_out_while_the_tuner_held, 180, "a replica added for the TTFT, the batch held")
+    assert max(engine_values) <= tuned, engine_values  # the old tuner grew the batch for a TTFT-only SLO
+    scaled = [m for m in _events(cluster, "Scaled").splitlines() if "scaling up 1 → 2" in m and "TTFT P99" in m]
+    assert scaled and "of it queueing, with ITL within its SLO: one more replica" in scaled[-1], scaled

@@ -1,7 +1,9 @@
-"""The Helm chart: every value documented, CRDs in sync, `helm lint` clean, RBAC as narrow as promised."""
+"""The Helm chart: every value documented, CRDs in sync, `helm lint` clean, RBAC as narrow as promised,
+leader election for more than one replica, monitors only where they can exist, the dashboard shipped."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -86,7 +88,8 @@ def _render(*sets: str) -> list[dict]:
 def test_cluster_scope_renders_a_cluster_role_and_watches_everything():
     docs = _render()
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "Role", "RoleBinding",
+                     "ServiceAccount"]
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -97,7 +100,7 @@ def test_cluster_scope_renders_a_cluster_role_and_watches_everything():
 
 def test_namespaced_scope_renders_a_role_per_namespace():
     docs = _render("--set", "rbac.scope=namespaced", "--set", "rbac.watchNamespaces={ml,research}")
-    roles = [d for d in docs if d["kind"] == "Role"]
+    roles = [d for d in docs if d["kind"] == "Role" and not d["metadata"]["name"].endswith("-leader-election")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
     assert not [d for d in docs if d["kind"].startswith("Cluster")]
     deployment = next(d for d in docs if d["kind"] == "Deployment")
@@ -111,6 +114,75 @@ def test_rbac_grants_no_wildcards_and_no_secret_reads_beyond_get():
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
         if "secrets" in rule["resources"]:
             assert set(rule["verbs"]) == {"get", "create"}
+
+
+def _env(docs: list[dict]) -> dict:
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_two_replicas_elect_a_leader_through_a_lease_they_alone_may_write():
+    docs = _render("--set", "replicaCount=2")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    env = _env(docs)
+    assert env["KVPILOT_LEADER_ELECTION_LEASE"] == "kvpilot-system/kv-kvpilot"
+    assert env["KVPILOT_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kv-kvpilot-leader-election")
+    assert role["metadata"]["namespace"] == "kvpilot-system"
+    named = [r for r in role["rules"] if r.get("resourceNames")]
+    assert named == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["kv-kvpilot"],
+                      "verbs": ["get", "patch"]}]
+
+
+def test_more_than_one_replica_without_leader_election_is_refused():
+    result = subprocess.run([_helm(), "template", "kv", str(CHART), *KUBE_VERSION, "--set", "replicaCount=2",
+                             "--set", "leaderElection.enabled=false"], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "replicaCount > 1 needs leaderElection.enabled" in result.stderr
+    single = _render("--set", "leaderElection.enabled=false")
+    assert "KVPILOT_LEADER_ELECTION_LEASE" not in _env(single)
+    assert next(d for d in single if d["kind"] == "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_bind_pod_ip_makes_the_operator_listen_on_it():
+    env = _env(_render("--set", "bindPodIP=true"))
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}} and env["KVPILOT_LISTEN_ADDRESS"] == "$(POD_IP)"
+    assert "KVPILOT_LISTEN_ADDRESS" not in _env(_render())
+
+
+def _pod_monitors(*sets: str) -> list[dict]:
+    return [d for d in _render(*sets) if d["kind"] == "PodMonitor"]
+
+
+def test_pod_monitors_only_where_the_prometheus_operator_is_or_when_asked():
+    assert _pod_monitors() == []  # auto, and the cluster does not serve PodMonitors
+    assert _pod_monitors("--set", "monitoring.podMonitor.enabled=false",
+                         "--api-versions", "monitoring.coreos.com/v1/PodMonitor") == []
+    engines, operator = _pod_monitors("--api-versions", "monitoring.coreos.com/v1/PodMonitor")
+    assert engines["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "engine"
+    assert engines["spec"]["namespaceSelector"] == {"any": True}
+    endpoint = engines["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["port"] == "http" and endpoint["relabelings"][0]["targetLabel"] == "service"
+    assert operator["spec"]["podMetricsEndpoints"][0] == {"port": "metrics", "path": "/metrics", "interval": "15s",
+                                                          "honorLabels": True}
+    asked = _pod_monitors("--set", "monitoring.podMonitor.enabled=true", "--set", "rbac.scope=namespaced",
+                          "--set", "rbac.watchNamespaces={ml}", "--set", "monitoring.podMonitor.labels.release=prom")
+    assert asked[0]["spec"]["namespaceSelector"] == {"matchNames": ["ml"]}
+    assert asked[0]["metadata"]["labels"]["release"] == "prom"
+
+
+def test_a_bad_pod_monitor_setting_fails_with_a_message():
+    result = subprocess.run([_helm(), "template", "kv", str(CHART), *KUBE_VERSION,
+                             "--set", "monitoring.podMonitor.enabled=sometimes"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0 and "monitoring.podMonitor.enabled must be auto, true or false" in result.stderr
+
+
+def test_the_dashboard_ships_for_grafanas_sidecar():
+    (configmap,) = [d for d in _render() if d["kind"] == "ConfigMap"]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(configmap["data"]["kvpilot.json"]) == json.loads((CHART / "dashboards" / "kvpilot.json").read_text())
+    assert not [d for d in _render("--set", "monitoring.grafanaDashboard.enabled=false") if d["kind"] == "ConfigMap"]
 
 
 def test_bad_scope_fails_with_a_message():

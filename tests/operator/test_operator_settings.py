@@ -27,8 +27,18 @@ def test_environment_overrides():
     assert settings.engine_image_pull_policy == "Never"
 
 
+def test_leader_election_is_off_unless_a_lease_is_named():
+    assert OperatorSettings.from_env({}).leader_election_lease is None
+    settings = OperatorSettings.from_env({"KVPILOT_LEADER_ELECTION_LEASE": "kvpilot-system/kv-kvpilot",
+                                          "KVPILOT_POD_NAME": "kv-kvpilot-7d9-abc", "KVPILOT_LISTEN_ADDRESS": "10.1.2.3"})
+    assert settings.leader_election_lease == ("kvpilot-system", "kv-kvpilot")
+    assert settings.leader_election_identity == "kv-kvpilot-7d9-abc" and settings.listen_address == "10.1.2.3"
+
+
 @pytest.mark.parametrize("name,value", [("KVPILOT_RESYNC_SECONDS", "soon"), ("KVPILOT_HEALTH_PORT", "-1"),
-                                        ("KVPILOT_LOG_LEVEL", "chatty"), ("KVPILOT_ENGINE_BIND_POD_IP", "maybe")])
+                                        ("KVPILOT_LOG_LEVEL", "chatty"), ("KVPILOT_ENGINE_BIND_POD_IP", "maybe"),
+                                        ("KVPILOT_LEADER_ELECTION_LEASE", "no-namespace"),
+                                        ("KVPILOT_LEADER_ELECTION_LEASE_SECONDS", "1")])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(SettingsError, match=name):
         OperatorSettings.from_env({name: value})
