@@ -16,20 +16,23 @@ from kvpilot.engine.models.gguf_file import GGUFFile
 
 def load_gguf_tokenizer(path: str | Path):
     """A transformers fast tokenizer built from the GGUF file's ``tokenizer.*`` metadata."""
-    gguf_file = GGUFFile(path)  # clear errors for a missing, truncated or foreign file first
-    gguf_file.require("tokenizer.ggml.model", str)
-    gguf_file.require("tokenizer.ggml.tokens", list)
+    path = Path(path)
+    if not path.is_file():
+        GGUFFile(path)  # raises the error that says what is wrong with the path
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(gguf_file.path.parent), gguf_file=gguf_file.path.name, local_files_only=True
-        )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as exc:  # transformers' GGUF reader raises anything on a bad file
+        # Parsing the file is slow (seconds for a large vocabulary), so it is done only now, to say
+        # which part of the file is at fault: truncation, a missing key, an unknown tokenizer type.
+        gguf_file = GGUFFile(path)
+        tokenizer_type = gguf_file.require("tokenizer.ggml.model", str)
+        gguf_file.require("tokenizer.ggml.tokens", list)
         raise ModelLoadError(
-            f"{gguf_file.path}: cannot build the tokenizer from the GGUF metadata "
-            f"(tokenizer.ggml.model = {gguf_file.get('tokenizer.ggml.model', str)!r}): {exc}"
+            f"{path}: cannot build the tokenizer from the GGUF metadata (tokenizer.ggml.model = "
+            f"{tokenizer_type!r}): {type(exc).__name__}: {exc}"
         ) from exc
     if not getattr(tokenizer, "is_fast", False):
-        raise ModelLoadError(f"{gguf_file.path}: transformers built a slow tokenizer; kvpilot needs a fast one")
+        raise ModelLoadError(f"{path}: transformers built a slow tokenizer; kvpilot needs a fast one")
     return tokenizer

@@ -383,3 +383,15 @@ def test_folder_holding_only_a_gguf_points_at_the_file(tiny_ggufs, tmp_path):
     (tmp_path / "m.gguf").write_bytes(tiny_ggufs["llama"].read_bytes())
     with pytest.raises(ModelLoadError, match=r"pass the \.gguf file itself, e\.g\. .*m\.gguf"):
         read_model_arch(tmp_path)
+
+
+def test_tokenizer_errors_name_the_missing_key(tiny_model_dirs, tmp_path):
+    metadata = gguf_metadata(tiny_model_dirs["llama"])
+    del metadata["tokenizer.ggml.tokens"]
+    path = write_gguf(tmp_path / "notokens.gguf", "llama", metadata, gguf_tensors(tiny_model_dirs["llama"]))
+    with pytest.raises(ModelLoadError, match="metadata key 'tokenizer.ggml.tokens' is missing"):
+        load_tokenizer(path)
+    metadata = {**gguf_metadata(tiny_model_dirs["llama"]), "tokenizer.ggml.model": "rwkv"}
+    path = write_gguf(tmp_path / "rwkv.gguf", "llama", metadata, gguf_tensors(tiny_model_dirs["llama"]))
+    with pytest.raises(ModelLoadError, match="cannot build the tokenizer .*'rwkv'"):
+        load_tokenizer(path)
