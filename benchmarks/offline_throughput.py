@@ -34,14 +34,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from serving_common import generated_model
+from serving_common import benchmark_model
 
 WORKER = Path(__file__).resolve().parent / "offline_worker.py"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="small", help="a model folder, or `small` (default): the generated preset")
+    parser.add_argument("--model", default="small", help="`small` (default): the generated preset; `smollm2`: SmolLM2-135M-Instruct; or a folder")
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="24 requests, one round, no sweep: a smoke run")
     parser.add_argument("--seed", type=int, default=0)
@@ -96,7 +96,7 @@ def describe(system: str, run: dict) -> str:
 
 def main() -> None:
     args = parse_args()
-    model = generated_model("small", args.seed) if args.model == "small" else Path(args.model).resolve()
+    model = benchmark_model(args.model, args.seed)
     workload = make_workload(model, args.num_requests, args.seed)
     print(f"model {model}, bfloat16, CPU, {args.threads} threads for every system; {args.num_requests} requests, "
           f"{sum(map(len, workload['prompts']))} prompt tokens, {sum(workload['output_lens'])} output tokens",

