@@ -84,3 +84,13 @@ def live_server_factory(tiny_model_dir):
     yield start
     for live in started:
         live.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_gguf):
+    """A server on SmolLM2-135M-Instruct's GGUF file, served as "smollm2": a trained model, for
+    answers that can be checked."""
+    live = start_server(smollm2_gguf, served_model_name="smollm2",
+                        engine={"max_num_seqs": 4, "kv_cache_memory": 64 << 20})
+    yield live
+    live.stop()
