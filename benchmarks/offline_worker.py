@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -66,9 +65,7 @@ def run_kvpilot(workload: dict, args: argparse.Namespace) -> dict:
 
 
 def run_vllm(workload: dict, args: argparse.Namespace) -> dict:
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    # Cores, KV space and preloads come from the environment offline_throughput.py sets (vllm_cpu_env).
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=workload["model"], dtype="bfloat16", max_num_seqs=args.max_num_seqs,
