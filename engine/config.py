@@ -46,7 +46,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ConfigError("model: give the path of a Hugging Face model folder")
+            raise ConfigError("model: give the path of a Hugging Face model folder or of a .gguf file")
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

@@ -128,7 +128,8 @@ EPILOG = (
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", metavar="MODEL_PATH",
-                        help="Hugging Face model folder (config.json, safetensors, tokenizer) [env KVPILOT_MODEL]")
+                        help="a Hugging Face model folder (config.json, safetensors, tokenizer) or a single .gguf file "
+                        "(e.g. from `kvpilot fetch-model smollm2-135m`) [env KVPILOT_MODEL]")
     for flag in SERVE_FLAGS:
         suffix = f" [env {flag.env}]"
         if flag.default is not None:
@@ -147,7 +148,7 @@ def resolve_serve_args(args: argparse.Namespace, environ: Mapping[str, str] = os
     if values.get("model") is None:
         values["model"] = environ.get(ENV_PREFIX + "MODEL")
     if not values["model"]:
-        raise ArgsError("MODEL_PATH: give the model folder as the first argument or set KVPILOT_MODEL")
+        raise ArgsError("MODEL_PATH: give the model folder or .gguf file as the first argument or set KVPILOT_MODEL")
     for flag in SERVE_FLAGS:
         if values.get(flag.dest) is not None:
             continue
