@@ -9,25 +9,36 @@ outstanding; arrivals beyond that are shed at the client and counted). Prompts a
 because on a CPU every prompt token costs as much as a decode token: long prefill chunks
 would make every step's latency about the chunk, not the batch.
 
-1. Oracle: ``max_num_seqs`` swept statically through the admin endpoint; each setting is
-   measured from the server's /metrics over a window after a warm-up, once before the
-   closed-loop runs and once after (in reverse order), and the two are averaged, so drift in
-   the machine's other load does not favour either side. The oracle is the best
-   output-token throughput whose (averaged) ITL P99 meets the SLO. The SLO, fixed from the
-   first sweep, is ``--slo-ms``, or 100 ms unless that puts the optimum at an end of the
-   grid, or else one that puts the optimum at the knee of the throughput curve.
+The SLO (``--slo-ms``, ITL P99, default 100 ms) is fixed before the run. The offered load is
+set from a calibration at the top setting: Poisson arrivals at 1.5x the output tokens/s the
+largest ``max_num_seqs`` serves, so every setting, the top one included, is saturated and no
+window measures a backlog draining.
+
+1. Oracle: ``max_num_seqs`` swept statically through the admin endpoint. Each setting is
+   measured after the running batch has drained to it and a warm-up, over a window as long as
+   the tuner's (twice the interval), from the server's /metrics. The coarse grid (powers of
+   two) is refined between the last setting that meets the SLO and the first that breaks it,
+   in steps of at most 25%. The sweep runs once before the closed-loop runs and once after (in
+   reverse), and the two are averaged, so drift in the machine's other load favours neither
+   side. The oracle is the best output-token throughput whose averaged ITL P99 meets the SLO.
 2. Closed loop: the tuner (kvpilot.operator.tuner) fed by the operator's metrics code
    (kvpilot.operator.engine_metrics), applying its decisions through the admin endpoint exactly
-   as the operator does, from the smallest and from the largest grid setting.
+   as the operator does, from the smallest and from the largest grid setting, ``--runs`` times
+   each, alternating.
+
+The goal per run: at least 90% of the oracle within 8 intervals, holding to the end, with at
+most one reversal. Scored per run: the interval from which every later interval is within 10%
+of the oracle and meets the SLO ("reached"; none if it does not hold to the end), reversals of
+direction over the whole trace, the throughput averaged over the intervals that met the SLO as
+a fraction of the oracle, and the intervals (and seconds) over the SLO. Every run is printed.
 
 Autoscaling has its own benchmark, on the local cluster: benchmarks/autoscaling.py.
 
-    python benchmarks/tuning.py                 # ~15 minutes on 2 cores
+    python benchmarks/tuning.py                 # ~45 minutes on 2 cores
     python benchmarks/tuning.py --quick         # a smoke run, not a measurement
 
-Prints the sweep, the oracle, and per start: fraction of the oracle reached, intervals
-to get within 10% of it, seconds spent over the SLO, reversals after that; writes
-docs/tuning-sweep.png, docs/tuning-from-*.png and a JSON of every interval (``--json``).
+Writes docs/tuning-sweep.png, docs/tuning-from-small.png and docs/tuning-from-large.png (every
+run of a start in one plot) and a JSON of every interval (``--json``).
 """
 
 from __future__ import annotations
@@ -54,20 +65,25 @@ from serving_common import PoissonLoad, ServerProcess, free_port, generated_mode
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 ADMIN_TOKEN = "benchmark-admin-token-0123456789abcdef"
-GRID = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+GRID = (2, 4, 8, 16, 32, 64, 128, 256)
+GOAL_INTERVALS = 8  # reach 90% of the oracle within this many intervals ...
+GOAL_REVERSALS = 1  # ... with at most this many reversals
+REFINE_RATIO = 1.25  # sweep steps near the SLO
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: generated small preset)")
-    parser.add_argument("--grid", type=int, nargs="+", default=list(GRID), help="max_num_seqs settings to sweep")
-    parser.add_argument("--slo-ms", type=float, default=None, help="ITL P99 SLO (default: see above)")
-    parser.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
-    parser.add_argument("--max-in-flight", type=int, default=200)
+    parser.add_argument("--grid", type=int, nargs="+", default=list(GRID),
+                        help="coarse max_num_seqs settings to sweep (refined near the SLO)")
+    parser.add_argument("--slo-ms", type=float, default=100.0, help="ITL P99 SLO, fixed before the run")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="Poisson arrivals per second (default: 1.5x the top setting's capacity)")
+    parser.add_argument("--max-in-flight", type=int, default=None, help="default: twice the top setting")
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds after a sweep change before measuring")
-    parser.add_argument("--measure", type=float, default=20.0, help="seconds measured per sweep setting")
     parser.add_argument("--interval", type=float, default=15.0, help="tuning interval, seconds")
     parser.add_argument("--intervals", type=int, default=12, help="tuning intervals per closed-loop run")
+    parser.add_argument("--runs", type=int, default=3, help="closed-loop runs per start")
     parser.add_argument("--dtype", default="float32", help="engine dtype (float32 is fastest on most CPUs)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's step budget (default: twice the largest --grid setting)")
@@ -82,9 +98,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="short windows and a small grid: a smoke run")
     args = parser.parse_args()
     if args.quick:
-        args.grid, args.warmup, args.measure, args.interval, args.intervals = [2, 8, 32], 3.0, 6.0, 6.0, 4
+        args.grid, args.warmup, args.interval, args.intervals, args.runs = [2, 8, 32], 3.0, 4.0, 4, 1
     if sorted(set(args.grid)) != args.grid or args.grid[0] < 1:
         parser.error("--grid: give increasing positive max_num_seqs values")
+    args.max_in_flight = args.max_in_flight or 2 * args.grid[-1]
     return args
 
 
@@ -138,22 +155,40 @@ def summarize(obs: Observation | None, max_num_seqs: int, t: float, reason: str 
     return Interval(t, max_num_seqs, obs.output_tokens_per_second, obs.itl_p99, obs.mean_running_per_pod, reason)
 
 
-async def sweep(url: str, grid: list[int], warmup: float, measure: float) -> list[Interval]:
-    collector = MetricsCollector(window_seconds=10 * measure)
-    points = []
+async def measure_setting(url: str, max_num_seqs: int, warmup: float, window: float) -> Interval:
+    """One static setting: drain the batch to it, warm up, then one window as long as the loop's."""
+    collector = MetricsCollector(window_seconds=10 * window)
     async with aiohttp.ClientSession() as session:
-        for m in grid:
-            await set_max_num_seqs(session, url, m)
-            await asyncio.sleep(warmup)
-            collector.windows.clear()
-            collector.ingest(EngineClient().scrape({"engine": url}), time.time())
-            await asyncio.sleep(measure)
-            obs = collector.ingest(EngineClient().scrape({"engine": url}), time.time()).service
-            point = summarize(obs, m, time.time())
-            points.append(point)
-            print(f"  max_num_seqs {m:4d}: {point.tokens_per_second:7.1f} tok/s, ITL P99 "
-                  f"{_ms(point.itl_p99)}, mean batch {point.batch or 0:.1f}", flush=True)
-    return points
+        await set_max_num_seqs(session, url, max_num_seqs)
+        await settle(session, url, max_num_seqs)
+    await asyncio.sleep(warmup)
+    collector.ingest(EngineClient().scrape({"engine": url}), time.time())
+    await asyncio.sleep(window)
+    obs = collector.ingest(EngineClient().scrape({"engine": url}), time.time()).service
+    point = summarize(obs, max_num_seqs, time.time())
+    print(f"  max_num_seqs {max_num_seqs:4d}: {point.tokens_per_second:7.1f} tok/s, ITL P99 "
+          f"{_ms(point.itl_p99)}, mean batch {point.batch or 0:.1f}", flush=True)
+    return point
+
+
+async def sweep(url: str, grid: list[int], warmup: float, window: float) -> list[Interval]:
+    return [await measure_setting(url, m, warmup, window) for m in grid]
+
+
+def refine(points: list[Interval], slo: float) -> list[int]:
+    """Settings between the last that meets the SLO and the first that breaks it, in steps of at
+    most REFINE_RATIO (none when the crossing is at an end of the grid or already fine)."""
+    meets = [p.itl_p99 is not None and p.itl_p99 <= slo for p in points]
+    for i in range(len(points) - 1):
+        if meets[i] and not meets[i + 1]:
+            low, high = points[i].max_num_seqs, points[i + 1].max_num_seqs
+            extra, value = [], low
+            while value * REFINE_RATIO < high:
+                value = max(value + 1, round(value * REFINE_RATIO))
+                if value < high:
+                    extra.append(value)
+            return extra
+    return []
 
 
 def average(a: Interval, b: Interval) -> Interval:
@@ -162,31 +197,15 @@ def average(a: Interval, b: Interval) -> Interval:
                     sum(itls) / len(itls) if itls else None, ((a.batch or 0) + (b.batch or 0)) / 2)
 
 
-def choose_slo(points: list[Interval], given_ms: float | None) -> float:
-    """The ITL P99 SLO: given, or 100 ms (issue 7's figure) unless that puts the optimum at an end
-    of the grid, or else one that puts the optimum at the knee (the first setting within 10% of
-    the best throughput)."""
-    if given_ms is not None:
-        return given_ms / 1000
-    if _interior(points, 0.100):
-        return 0.100
-    measured = [p for p in points if p.itl_p99 is not None]
-    best = max(p.tokens_per_second for p in measured)
-    knee = next(i for i, p in enumerate(measured) if p.tokens_per_second >= 0.9 * best)
-    knee = min(max(knee, 1), len(measured) - 2)  # neither end of the grid
-    here, above = measured[knee].itl_p99, measured[knee + 1].itl_p99
-    return max(here, (here + above) / 2)
-
-
-def _interior(points: list[Interval], slo: float) -> bool:
-    """Whether the oracle under this SLO is neither the smallest nor the largest setting."""
-    best = oracle_point(points, slo)
-    return best is not None and points[0].max_num_seqs < best.max_num_seqs < points[-1].max_num_seqs
-
-
 def oracle_point(points: list[Interval], slo: float) -> Interval | None:
     meeting = [p for p in points if p.itl_p99 is not None and p.itl_p99 <= slo]
     return max(meeting, key=lambda p: p.tokens_per_second, default=None)
+
+
+async def calibrate(url: str, top: int, warmup: float, window: float) -> float:
+    """Output tokens/s of the top setting under a saturating load."""
+    point = await measure_setting(url, top, warmup, window)
+    return point.tokens_per_second
 
 
 async def closed_loop(url: str, start: int, slo: float, bounds: MaxNumSeqsBounds, interval: float,
@@ -241,48 +260,61 @@ async def settle(session: aiohttp.ClientSession, url: str, max_num_seqs: int, ti
 @dataclass
 class RunReport:
     start: int
-    fraction_of_oracle: float
-    intervals_to_within_10pct: int | None
+    run: int
+    reached_at: int | None  # first interval from which all are within 10% of the oracle and meet the SLO
+    reversals: int  # changes of direction over the whole trace
+    fraction_of_oracle: float | None  # mean tok/s of the intervals that met the SLO / oracle
+    intervals_over_slo: int
     seconds_over_slo: float
-    reversals_after: int
     final_max_num_seqs: int
 
+    @property
+    def goal_met(self) -> bool:
+        return self.reached_at is not None and self.reached_at <= GOAL_INTERVALS and self.reversals <= GOAL_REVERSALS
 
-def report(trace: list[Interval], start: int, oracle: Interval, slo: float, interval: float) -> RunReport:
-    within = next((i + 1 for i, p in enumerate(trace)
-                   if p.tokens_per_second >= 0.9 * oracle.tokens_per_second
-                   and p.itl_p99 is not None and p.itl_p99 <= slo), None)
-    tail = trace[-4:]
-    fraction = sum(p.tokens_per_second for p in tail) / len(tail) / oracle.tokens_per_second
-    over = sum(interval for p in trace if p.itl_p99 is not None and p.itl_p99 > slo)
-    settings = [p.max_num_seqs for p in trace[(within or len(trace)) - 1:]]
+
+def report(trace: list[Interval], start: int, run: int, oracle: Interval, slo: float, interval: float) -> RunReport:
+    def good(p: Interval) -> bool:
+        return p.tokens_per_second >= 0.9 * oracle.tokens_per_second and p.itl_p99 is not None and p.itl_p99 <= slo
+
+    reached_at = None
+    for i in range(len(trace) - 1, -1, -1):
+        if not good(trace[i]):
+            break
+        reached_at = i + 1
+    settings = [p.max_num_seqs for p in trace]
     moves = [b - a for a, b in zip(settings, settings[1:]) if b != a]
     reversals = sum(1 for x, y in zip(moves, moves[1:]) if (x > 0) != (y > 0))
-    return RunReport(start, fraction, within, over, reversals, trace[-1].max_num_seqs)
+    meeting = [p.tokens_per_second for p in trace if p.itl_p99 is not None and p.itl_p99 <= slo]
+    over = [p for p in trace if p.itl_p99 is not None and p.itl_p99 > slo]
+    return RunReport(start, run, reached_at, reversals,
+                     sum(meeting) / len(meeting) / oracle.tokens_per_second if meeting else None,
+                     len(over), len(over) * interval, trace[-1].max_num_seqs)
 
 
-def plot_run(trace: list[Interval], oracle: Interval, slo: float, title: str, path: Path) -> None:
+def plot_runs(traces: list[list[Interval]], oracle: Interval, slo: float, title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = [p.t for p in trace]
     fig, axes = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
-    axes[0].plot(t, [p.tokens_per_second for p in trace], marker="o")
+    for run, trace in enumerate(traces, 1):
+        t = [p.t for p in trace]
+        axes[0].plot(t, [p.tokens_per_second for p in trace], marker="o", label=f"run {run}")
+        axes[1].plot(t, [(p.itl_p99 or math.nan) * 1000 for p in trace], marker="o", label=f"run {run}")
+        axes[2].step(t, [p.max_num_seqs for p in trace], where="pre", marker="o", label=f"run {run}")
     axes[0].axhline(oracle.tokens_per_second, color="green", linestyle="--", label="static oracle")
     axes[0].axhline(0.9 * oracle.tokens_per_second, color="green", linestyle=":", label="90% of oracle")
     axes[0].set_ylabel("output tok/s")
-    axes[0].legend(loc="lower right")
-    axes[1].plot(t, [(p.itl_p99 or math.nan) * 1000 for p in trace], marker="o", color="tab:orange")
+    axes[0].legend(loc="lower right", fontsize="small")
     axes[1].axhline(slo * 1000, color="red", linestyle="--", label="SLO")
     axes[1].set_ylabel("ITL P99 (ms)")
-    axes[1].legend(loc="upper right")
-    axes[2].step(t, [p.max_num_seqs for p in trace], where="pre", marker="o", color="tab:purple")
+    axes[1].legend(loc="upper right", fontsize="small")
     axes[2].axhline(oracle.max_num_seqs, color="green", linestyle="--", label="oracle setting")
     axes[2].set_ylabel("max_num_seqs")
     axes[2].set_xlabel("seconds (one point per tuning interval)")
-    axes[2].legend(loc="upper right")
+    axes[2].legend(loc="upper right", fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -318,38 +350,54 @@ def _ms(value: float | None) -> str:
 def main() -> int:
     args = parse_args()
     model = model_path(args)
+    slo = args.slo_ms / 1000
+    window = 2 * args.interval  # the tuner's sliding window; the sweep measures the same length
     port = args.port or free_port()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below
     load_before = os.getloadavg()[0]
     server = engine_server(model, port, args.grid[0], args.grid[-1], args.dtype, args.max_num_batched_tokens,
-                          args.engine_threads, args.nice)
+                           args.engine_threads, args.nice)
     load = None
+    mean_output = sum(args.output_tokens) / 2
     try:
         server.wait_ready()
-        load = PoissonLoad(lambda: [server.url], args.rate, args.max_in_flight, args.seed, args.prompt_words,
-                           args.output_tokens, model="small")
+        # Until calibrated: far more arrivals than any setting serves (the in-flight cap holds the queue).
+        load = PoissonLoad(lambda: [server.url], args.rate or 1000.0, args.max_in_flight, args.seed,
+                           args.prompt_words, args.output_tokens, model="small")
         load.start()
         time.sleep(2 * args.warmup)  # first forwards are slow (allocator, caches)
-        print(f"sweep (Poisson {args.rate:g} req/s, ≤{args.max_in_flight} in flight):", flush=True)
-        before = asyncio.run(sweep(server.url, args.grid, args.warmup, args.measure))
-        slo = choose_slo(before, args.slo_ms)
-        print(f"SLO: ITL P99 ≤ {slo * 1000:.1f} ms", flush=True)
+        if args.rate is None:
+            print(f"calibration at max_num_seqs {args.grid[-1]}:", flush=True)
+            capacity = asyncio.run(calibrate(server.url, args.grid[-1], args.warmup, window))
+            load.rate = 1.5 * capacity / mean_output
+        print(f"load: Poisson {load.rate:.1f} req/s (~{load.rate * mean_output:.0f} output tok/s offered), "
+              f"≤{args.max_in_flight} in flight; SLO ITL P99 ≤ {args.slo_ms:g} ms; window {window:g} s", flush=True)
+        print("sweep:", flush=True)
+        coarse = asyncio.run(sweep(server.url, args.grid, args.warmup, window))
+        fine_grid = refine(coarse, slo)
+        print(f"refined near the SLO: {fine_grid}", flush=True)
+        fine = asyncio.run(sweep(server.url, fine_grid, args.warmup, window))
+        before = sorted(coarse + fine, key=lambda p: p.max_num_seqs)
+        grid = [p.max_num_seqs for p in before]
 
         bounds = MaxNumSeqsBounds(min=args.grid[0], max=args.grid[-1])
-        runs = {}
-        for start in (args.grid[0], args.grid[-1]):
-            print(f"closed loop from max_num_seqs {start}:", flush=True)
-            runs[start] = asyncio.run(closed_loop(server.url, start, slo, bounds, args.interval, args.intervals))
+        runs: dict[int, list[list[Interval]]] = {args.grid[0]: [], args.grid[-1]: []}
+        for run in range(1, args.runs + 1):
+            for start in runs:
+                print(f"closed loop from max_num_seqs {start}, run {run}:", flush=True)
+                runs[start].append(asyncio.run(
+                    closed_loop(server.url, start, slo, bounds, args.interval, args.intervals)))
 
         # The machine's other load drifts: sweeping again, in reverse, and averaging makes the
         # oracle's figures time-symmetric around the closed-loop runs.
         print("sweep again, in reverse:", flush=True)
-        after = asyncio.run(sweep(server.url, args.grid[::-1], args.warmup, args.measure))[::-1]
+        after = asyncio.run(sweep(server.url, grid[::-1], args.warmup, window))[::-1]
         points = [average(a, b) for a, b in zip(before, after)]
         oracle = oracle_point(points, slo)
         if oracle is None:
-            raise SystemExit(f"no setting meets the ITL P99 SLO of {slo * 1000:.0f} ms; give a larger --slo-ms")
-        reports = [report(trace, start, oracle, slo, args.interval) for start, trace in runs.items()]
+            raise SystemExit(f"no setting meets the ITL P99 SLO of {args.slo_ms:g} ms; give a larger --slo-ms")
+        reports = [report(trace, start, run, oracle, slo, args.interval)
+                   for start, traces in runs.items() for run, trace in enumerate(traces, 1)]
     finally:
         if load is not None:
             load.stop()
@@ -361,28 +409,35 @@ def main() -> int:
         print(f"    max_num_seqs {p.max_num_seqs:3d}: {p.tokens_per_second:6.1f} tok/s, ITL P99 {_ms(p.itl_p99)}")
     print(f"  machine: {os.cpu_count()} CPUs, load average at start {load_before:.1f}, at end {os.getloadavg()[0]:.1f} "
           "(other processes compete for the cores: expect noise)")
-    print(f"  SLO ITL P99 {slo * 1000:.1f} ms, oracle {oracle.tokens_per_second:.1f} tok/s at max_num_seqs "
-          f"{oracle.max_num_seqs}, tuning interval {args.interval:g} s")
+    edge = " (at an end of the grid: the run says little)" if oracle.max_num_seqs in (grid[0], grid[-1]) else ""
+    print(f"  SLO ITL P99 {args.slo_ms:g} ms, oracle {oracle.tokens_per_second:.1f} tok/s at max_num_seqs "
+          f"{oracle.max_num_seqs}{edge}, tuning interval {args.interval:g} s")
+    print(f"  goal: >= 90% of the oracle within {GOAL_INTERVALS} intervals, holding to the end, "
+          f"<= {GOAL_REVERSALS} reversal")
     for r in reports:
-        print(f"  start {r.start:3d}: {r.fraction_of_oracle:.0%} of oracle (last 4 intervals), within 10% after "
-              f"{r.intervals_to_within_10pct} intervals, {r.seconds_over_slo:.0f} s over the SLO, "
-              f"{r.reversals_after} reversals after, final max_num_seqs {r.final_max_num_seqs}")
+        fraction = "n/a" if r.fraction_of_oracle is None else f"{r.fraction_of_oracle:.0%}"
+        print(f"  start {r.start:3d} run {r.run}: {'MET' if r.goal_met else 'missed'}; reached at interval "
+              f"{r.reached_at}, {r.reversals} reversals, {fraction} of the oracle over the intervals meeting "
+              f"the SLO, {r.intervals_over_slo} intervals ({r.seconds_over_slo:.0f} s) over the SLO, "
+              f"final max_num_seqs {r.final_max_num_seqs}")
+    met = sum(r.goal_met for r in reports)
+    print(f"  goal met in {met} of {len(reports)} runs")
     print(f"  load: {load.stats.sent} sent, {load.stats.ok} ok, {load.stats.failed} failed {load.stats.errors}, "
           f"{load.stats.shed} shed at the client")
 
     if not args.no_plots:
         DOCS.mkdir(exist_ok=True)
         plot_sweep(points, slo, DOCS / "tuning-sweep.png")
-        for start, trace in runs.items():
+        for start, traces in runs.items():
             label = "small" if start == args.grid[0] else "large"
-            plot_run(trace, oracle, slo, f"Live tuning from max_num_seqs {start} (small model, CPU)",
-                     DOCS / f"tuning-from-{label}.png")
+            plot_runs(traces, oracle, slo, f"Live tuning from max_num_seqs {start}, {len(traces)} runs (CPU)",
+                      DOCS / f"tuning-from-{label}.png")
     if args.json is not None:
         args.json.write_text(json.dumps({
-            "slo_seconds": slo, "oracle": asdict(oracle), "sweep": [asdict(p) for p in points],
+            "slo_seconds": slo, "rate": load.rate, "oracle": asdict(oracle), "sweep": [asdict(p) for p in points],
             "sweep_before": [asdict(p) for p in before], "sweep_after": [asdict(p) for p in after],
-            "runs": {str(s): [asdict(p) for p in t] for s, t in runs.items()},
-            "reports": [asdict(r) for r in reports],
+            "runs": {str(s): [[asdict(p) for p in t] for t in traces] for s, traces in runs.items()},
+            "reports": [asdict(r) | {"goal_met": r.goal_met} for r in reports],
             "load": {k: v for k, v in asdict(load.stats).items() if k != "completions"},
         }, indent=1))
     return 0
