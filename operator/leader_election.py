@@ -106,28 +106,38 @@ class LeaderElector:
             time.sleep(self.config.retry_seconds)
 
     def keep_renewing(self, lost: Callable[[], None], stop: threading.Event) -> None:
-        """Renews until ``stop``; calls ``lost`` once a renewal has not succeeded for the renew deadline."""
-        last_renewed, pause = self.clock(), self.config.renew_seconds
+        """Renews until ``stop``; calls ``lost`` once no renewal has succeeded for the renew deadline.
+
+        A watchdog thread keeps that deadline, so a call to a hung API server cannot hold it up.
+        """
+        last_renewed = self.clock()
+
+        def watchdog() -> None:
+            while not stop.wait(self.config.retry_seconds):
+                if self.clock() - last_renewed >= self.config.renew_deadline_seconds:
+                    log.error("%s: could not renew Lease %s/%s for %.0f s: stopping", self.config.identity,
+                              self.config.namespace, self.config.name, self.clock() - last_renewed)
+                    lost()
+                    return
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        pause = self.config.renew_seconds
         while not stop.wait(pause):
-            if self._attempt():
-                last_renewed, pause = self.clock(), self.config.renew_seconds
-                continue
-            pause = self.config.retry_seconds
-            if self.clock() - last_renewed >= self.config.renew_deadline_seconds:
-                log.error("%s: could not renew Lease %s/%s for %.0f s: stopping", self.config.identity,
-                          self.config.namespace, self.config.name, self.clock() - last_renewed)
-                lost()
-                return
+            renewed = self._attempt()
+            if renewed:
+                last_renewed = self.clock()
+            pause = self.config.renew_seconds if renewed else self.config.retry_seconds
 
     def release(self) -> None:
         """Hands the Lease back (if still ours) so that a standby takes over at once."""
-        lease = self.kube.get(API_VERSION, "Lease", self.config.namespace, self.config.name)
-        if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.config.identity:
-            return
-        manifest = self._manifest(_micro_time(), _micro_time(), (lease.get("spec") or {}).get("leaseTransitions") or 0)
-        manifest["spec"].update(holderIdentity="", leaseDurationSeconds=1)
-        manifest["metadata"]["resourceVersion"] = lease["metadata"]["resourceVersion"]
         try:
+            lease = self.kube.get(API_VERSION, "Lease", self.config.namespace, self.config.name)
+            if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.config.identity:
+                return
+            now = _micro_time()
+            manifest = self._manifest(now, now, (lease.get("spec") or {}).get("leaseTransitions") or 0)
+            manifest["spec"].update(holderIdentity="", leaseDurationSeconds=1)
+            manifest["metadata"]["resourceVersion"] = lease["metadata"]["resourceVersion"]
             self.kube.apply(manifest)
             log.info("%s: handed Lease %s/%s back", self.config.identity, self.config.namespace, self.config.name)
         except KubeError as exc:
@@ -137,7 +147,7 @@ class LeaderElector:
     def _attempt(self) -> bool:
         try:
             return self.try_acquire_or_renew()
-        except KubeError as exc:  # an API server hiccup: the next attempt may work
+        except Exception as exc:  # noqa: BLE001: an API server hiccup or outage; the deadline guards the rest
             log.warning("%s: Lease %s/%s: %s", self.config.identity, self.config.namespace, self.config.name, exc)
             return False
 
