@@ -1,21 +1,23 @@
-"""Autoscaling by metrics, for real: a load step up and down against the operator on the local cluster.
+"""Autoscaling by metrics, for real: load steps against the operator on the local cluster.
 
 The chart installs the operator into a fresh local control plane (`kvpilot local-cluster`; pods
 run as local processes). One InferenceService serves the generated ``tiny`` model from real
-`kvpilot serve` pods with autoscaling on (1..``--max-replicas``) and a fixed ``max_num_seqs``
-(tuning off, so capacity per replica stays put). An open-loop Poisson load goes round-robin to
-the Ready pods, as a load balancer would (the local cluster gives Services no endpoints); a
-request a pod turns away before any work (it is draining, or gone) is retried on another pod
-and counted as rerouted. First, with autoscaling still off, the load saturates the one replica
-to measure its capacity; then autoscaling is turned on and the load runs low (``--low-load`` of
-that capacity), steps up beyond it (``--high-load``), then steps back.
+`kvpilot serve` pods with autoscaling on (1..``--max-replicas``, default 4) and a fixed
+``max_num_seqs`` (tuning off, so capacity per replica stays put). An open-loop Poisson load goes
+round-robin to the Ready pods, as a load balancer would (the local cluster gives Services no
+endpoints); a request a pod turns away before any work (it is draining, or gone) is retried on
+another pod and counted as rerouted. First, with autoscaling still off, the load saturates the
+one replica to measure its capacity; then autoscaling is turned on and the load steps through
+``--steps`` (fractions of that capacity; by default ones that need 1, 2, 3, then 1 replica).
 
-Reports the time from the step up to the operator's scale-up decision and to the new pods being
-Ready, the time from the step down to the scale-down decision (the stabilization window,
-``--stabilization``, included) and to the extra pods being gone, and the requests that failed,
-above all during scale-down while pods drain. Writes docs/tuning-autoscaling.png.
+The sizing rule is the autoscaler's: ``ceil(demand / (capacity x target utilization 0.8))``
+within the bounds. At the end of each step the replicas the operator asked for are checked
+against it, and every mismatch is reported (exit status 1). Reports the time from each step to
+the operator's decision and to the pods being Ready (or gone), the requests that failed, and
+the arrivals shed at the client because too many were outstanding: demand that went unserved.
+Served tokens are those the responses' ``usage`` reports. Writes docs/tuning-autoscaling.png.
 
-    python benchmarks/autoscaling.py        # ~5 minutes on 2 cores; needs `kvpilot local-cluster build`
+    python benchmarks/autoscaling.py        # ~10 minutes on 2 cores; needs `kvpilot local-cluster build`
 
 This machine has 2 cores, so extra CPU replicas share them: what is measured is the control loop
 (how fast capacity is asked for, started, and given back, and that draining loses nothing), not
@@ -35,6 +37,7 @@ from pathlib import Path
 from kvpilot.engine_contract import ENGINE_PORT
 from kvpilot.localcluster import testing
 from kvpilot.operator import builders
+from kvpilot.operator.autoscaler import ScalingPolicy
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.status import pod_ready
 from serving_common import PoissonLoad, generated_model
@@ -48,17 +51,14 @@ PROMPT_WORDS = (4, 24)
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--low-load", type=float, default=0.3,
-                        help="offered output tokens/s before and after the step, as a fraction of one "
-                             "replica's capacity")
-    parser.add_argument("--high-load", type=float, default=2.0, help="the same during the step")
+    parser.add_argument("--steps", type=float, nargs="+", default=[0.4, 1.2, 2.0, 0.4],
+                        help="offered output tokens/s of each step, as fractions of one replica's capacity")
+    parser.add_argument("--step-seconds", type=float, default=90.0, help="length of each step but the last")
     parser.add_argument("--calibrate-seconds", type=float, default=20.0, help="saturating one replica to measure it")
-    parser.add_argument("--low-seconds", type=float, default=45.0, help="low load before the step up")
-    parser.add_argument("--high-seconds", type=float, default=120.0, help="length of the step")
     parser.add_argument("--output-tokens", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"))
     parser.add_argument("--max-in-flight", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=4, help="each replica's fixed max_num_seqs")
-    parser.add_argument("--max-replicas", type=int, default=2)
+    parser.add_argument("--max-replicas", type=int, default=4)
     parser.add_argument("--interval", type=int, default=10, help="seconds between the operator's decisions")
     parser.add_argument("--stabilization", type=int, default=60,
                         help="scale-down stabilization window, seconds (the operator's default: 300)")
@@ -66,10 +66,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the timeline and the load's counts here")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
-    if not 0 < args.low_load < args.high_load:
-        parser.error("--low-load must be positive and below --high-load")
-    if args.low_load >= 0.8:
-        parser.error("--low-load must be below 0.8, the autoscaler's target utilization, or nothing scales down")
+    if any(f <= 0 for f in args.steps):
+        parser.error("--steps: every load must be a positive fraction of one replica's capacity")
     if args.max_replicas < 2:
         parser.error("--max-replicas must be at least 2, or there is nothing to scale")
     return args
@@ -187,7 +185,7 @@ def plot(watcher: Watcher, served: list[tuple], offered: list[tuple], path: Path
     bottom.set_xlabel("seconds")
     bottom.set_xlim(left=offered[0][0] - 5)  # from the load's start (the calibration before it is not shown)
     bottom.legend(loc="upper center", ncol=3, fontsize="small")
-    fig.suptitle("Autoscaling a real InferenceService: a load step up and down")
+    fig.suptitle("Autoscaling a real InferenceService: load steps up and down")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -205,11 +203,18 @@ def calibrate(watcher: Watcher, args: argparse.Namespace) -> float:
     return tokens / (0.75 * args.calibrate_seconds)
 
 
+def expected_replicas(fraction: float, max_replicas: int) -> int:
+    """The autoscaler's sizing rule for a load of ``fraction`` of one replica's capacity."""
+    target = ScalingPolicy(min_replicas=1, max_replicas=max_replicas).target_utilization
+    return min(max(1, math.ceil(fraction / target - 1e-9)), max_replicas)
+
+
 def main() -> int:
     args = parse_args()
     model = generated_model("tiny", args.seed)
     mean_tokens = sum(args.output_tokens) / 2
     cluster = testing.acquire()
+    steps: list[tuple[float, float]] = []  # (start, fraction)
     try:
         kube = Kube(cluster.api_client())
         print(f"local cluster up in {cluster.up_seconds:.0f} s; installing the operator and the service")
@@ -217,26 +222,22 @@ def main() -> int:
         start = time.time()
         with Watcher(kube, start) as watcher:
             capacity = calibrate(watcher, args)
-            low_rate, high_rate = (f * capacity / mean_tokens for f in (args.low_load, args.high_load))
-            print(f"one replica at max_num_seqs {args.max_num_seqs}: {capacity:.0f} output tok/s; "
-                  f"load {low_rate:.2f} → {high_rate:.2f} → {low_rate:.2f} req/s")
+            print(f"one replica at max_num_seqs {args.max_num_seqs}: {capacity:.0f} output tok/s; steps "
+                  + " → ".join(f"{f:g}x ({f * capacity / mean_tokens:.2f} req/s)" for f in args.steps))
             time.sleep(3)  # the calibration's requests are cancelled and leave the engine
             cluster.kubectl("patch", "kvis", NAME, "-n", NAMESPACE, "--type", "merge",
                             "-p", json.dumps({"spec": {"autoscaling": {"enabled": True}}}))
-            load = PoissonLoad(lambda: watcher.targets, low_rate, args.max_in_flight, args.seed, PROMPT_WORDS,
-                               tuple(args.output_tokens), model=NAME)
-            load_start = time.time() - start
+            load = PoissonLoad(lambda: watcher.targets, args.steps[0] * capacity / mean_tokens, args.max_in_flight,
+                               args.seed, PROMPT_WORDS, tuple(args.output_tokens), model=NAME)
             load.start()
-            time.sleep(args.low_seconds)
-            up_at = time.time() - start
-            load.rate = high_rate
-            print(f"step up at {up_at:.0f} s")
-            time.sleep(args.high_seconds)
-            down_at = time.time() - start
-            failed_before_down = load.stats.failed
-            load.rate = low_rate
-            print(f"step down at {down_at:.0f} s")
-            watcher.wait(lambda s: s.desired == 1 and s.pods == 1, args.stabilization + 300)
+            for index, fraction in enumerate(args.steps):
+                load.rate = fraction * capacity / mean_tokens
+                steps.append((time.time() - start, fraction))
+                print(f"step {index + 1}: {fraction:g}x capacity at {steps[-1][0]:.0f} s", flush=True)
+                if index < len(args.steps) - 1:
+                    time.sleep(args.step_seconds)
+            want = expected_replicas(args.steps[-1], args.max_replicas)
+            watcher.wait(lambda s: s.desired == want and s.pods == want, args.stabilization * 4 + 300)
             time.sleep(10)
             load.stop()
         end = time.time() - start
@@ -248,38 +249,47 @@ def main() -> int:
             print(f"processes left behind: {leftovers}")
 
     stats = load.stats
-    asked_up = watcher.first(up_at, lambda s: s.desired > 1)
-    ready_up = watcher.first(up_at, lambda s: s.ready > 1)
-    peak = max(s.desired for s in watcher.samples)
-    asked_down = watcher.first(down_at, lambda s: s.desired == 1)
-    gone = watcher.first(down_at, lambda s: s.desired == 1 and s.pods == 1)
-    failed_in_scale_down = stats.failed - failed_before_down
+    load_start = steps[0][0]
     served = [(load_start + t, r) for t, r in served_rate(stats.completions, start + load_start, start + end, 10.0)]
-    low, high = args.low_load * capacity, args.high_load * capacity
-    offered = [(load_start, low), (up_at, high), (down_at, low), (end, low)]
+    offered = [(t, f * capacity) for t, f in steps] + [(end, steps[-1][1] * capacity)]
 
     def secs(value: float | None) -> str:
         return "never" if value is None else f"{value:.0f} s"
 
     print(f"\nAutoscaling (interval {args.interval} s, stabilization {args.stabilization} s, "
           f"max_num_seqs {args.max_num_seqs}, 1..{args.max_replicas} replicas; one replica serves "
-          f"{capacity:.0f} tok/s, offered {low:.0f} → {high:.0f} → {low:.0f} tok/s):")
-    print(f"  step up: operator asked for more replicas after {secs(asked_up)} (peak {peak}); "
-          f"a new replica Ready after {secs(ready_up)}")
-    print(f"  step down: back to 1 replica after {secs(asked_down)}; the extra pods gone after {secs(gone)}")
-    print(f"  requests: {stats.sent} sent, {stats.ok} ok, {stats.failed} failed {stats.errors or ''}"
-          f"({failed_in_scale_down} during scale-down), {stats.rerouted} rerouted from a draining or "
-          f"removed pod, {stats.shed} shed at the client")
+          f"{capacity:.0f} tok/s):")
+    mismatches = 0
+    previous = 1
+    for index, (at, fraction) in enumerate(steps):
+        until = steps[index + 1][0] if index + 1 < len(steps) else end
+        want = expected_replicas(fraction, args.max_replicas)
+        in_step = [s for s in watcher.samples if at <= s.t < until]
+        final = in_step[-1].desired if in_step else None
+        asked = watcher.first(at, lambda s, w=want: s.desired == w)
+        settled = watcher.first(at, lambda s, w=want: s.desired == w and s.ready == w and s.pods == w)
+        ok = final == want
+        mismatches += not ok
+        direction = "up" if want > previous else "down" if want < previous else "hold"
+        print(f"  step {index + 1} ({fraction:g}x capacity, {direction}): the rule says {want} replicas; the "
+              f"operator asked for {final} at the end of the step ({'ok' if ok else 'MISMATCH'}); asked after "
+              f"{secs(asked)}, all Ready and no extra pods after {secs(settled)}")
+        previous = want
+    unserved = stats.failed + stats.shed
+    print(f"  requests: {stats.sent + stats.shed} arrivals: {stats.ok} served, {stats.failed} failed "
+          f"{stats.errors or ''}, {stats.shed} shed at the client (outstanding cap {args.max_in_flight}): "
+          f"{unserved} unserved; {stats.rerouted} rerouted from a draining or removed pod; "
+          f"{sum(n for _, n in stats.completions)} output tokens returned")
     if args.json:
         args.json.write_text(json.dumps({
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "capacity": capacity, "load_start": load_start, "step_up_at": up_at, "step_down_at": down_at,
+            "capacity": capacity, "steps": steps,
             "samples": [asdict(s) for s in watcher.samples], "served": served,
             "load": {k: v for k, v in asdict(stats).items() if k != "completions"},
         }, indent=1))
     if not args.no_plot:
         plot(watcher, served, offered, REPO / "docs" / "tuning-autoscaling.png")
-    return 0 if stats.failed == 0 and ready_up is not None and gone is not None else 1
+    return 0 if stats.failed == 0 and mismatches == 0 else 1
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@
 
 ``PoissonLoad`` sends Poisson arrivals of OpenAI completions at ``rate`` per second (it may change
 while running, for load steps) whether or not earlier requests have finished, up to
-``max_in_flight`` outstanding; arrivals beyond that are shed at the client and counted. Prompt
+``max_in_flight`` outstanding; arrivals beyond that are shed at the client and counted (they are
+demand that went unserved). A completed request is credited with the tokens its ``usage`` says
+were returned. Prompt
 and output lengths are drawn uniformly from the given ranges; EOS is ignored so every request
 asks for its full output. Requests go round-robin to ``targets()``, engine base URLs read per
 request. A request an engine turns away before doing any work (the connection refused by a pod
@@ -18,6 +20,7 @@ serves them.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -237,7 +240,7 @@ class PoissonLoad:
             if turned_away:
                 self.stats.rerouted += 1
             try:
-                status = await self._post(session, url, body)
+                status, tokens = await self._post(session, url, body)
             except _TurnedAway as exc:
                 key, turned_away = str(exc), True
                 continue
@@ -248,7 +251,7 @@ class PoissonLoad:
                 break
             if status == 200:
                 self.stats.ok += 1
-                self.stats.completions.append((time.time(), body["max_tokens"]))
+                self.stats.completions.append((time.time(), tokens))
                 return
             key = f"HTTP {status}"
             break
@@ -256,7 +259,8 @@ class PoissonLoad:
         self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
 
     @staticmethod
-    async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> int:
+    async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, int]:
+        """(HTTP status, output tokens returned: usage.completion_tokens of a 200)."""
         try:
             async with session.post(f"{url}/v1/completions", json=body) as response:
                 text = await response.text()
@@ -264,4 +268,5 @@ class PoissonLoad:
             raise _TurnedAway("connection refused") from exc
         if response.status == 503 and "shutting_down" in text:
             raise _TurnedAway("HTTP 503 shutting_down")
-        return response.status
+        tokens = json.loads(text)["usage"]["completion_tokens"] if response.status == 200 else 0
+        return response.status, tokens
