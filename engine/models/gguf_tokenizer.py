@@ -8,6 +8,8 @@ so prompts tokenize exactly as they do for a transformers model loaded from the 
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from kvpilot.engine.models.errors import ModelLoadError
@@ -19,10 +21,8 @@ def load_gguf_tokenizer(path: str | Path):
     path = Path(path)
     if not path.is_file():
         GGUFFile(path)  # raises the error that says what is wrong with the path
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        tokenizer = _from_the_file_alone(path)
     except Exception as exc:  # transformers' GGUF reader raises anything on a bad file
         # Parsing the file is slow (seconds for a large vocabulary), so it is done only now, to say
         # which part of the file is at fault: truncation, a missing key, an unknown tokenizer type.
@@ -36,3 +36,14 @@ def load_gguf_tokenizer(path: str | Path):
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"{path}: transformers built a slow tokenizer; kvpilot needs a fast one")
     return tokenizer
+
+
+def _from_the_file_alone(path: Path):
+    """transformers' tokenizer from the GGUF file, seeing no other file: given the file's own
+    folder, AutoTokenizer would prefer a tokenizer.json or tokenizer_config.json lying beside it
+    (a GGUF dropped into a Hugging Face folder would get that folder's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="kvpilot-gguf-") as alone:
+        os.symlink(path.resolve(), os.path.join(alone, path.name))
+        return AutoTokenizer.from_pretrained(alone, gguf_file=path.name, local_files_only=True)

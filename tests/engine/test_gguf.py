@@ -395,3 +395,14 @@ def test_tokenizer_errors_name_the_missing_key(tiny_model_dirs, tmp_path):
     path = write_gguf(tmp_path / "rwkv.gguf", "llama", metadata, gguf_tensors(tiny_model_dirs["llama"]))
     with pytest.raises(ModelLoadError, match="cannot build the tokenizer .*'rwkv'"):
         load_tokenizer(path)
+
+
+def test_tokenizer_comes_from_the_gguf_even_inside_a_hf_folder(tiny_model_dirs, tiny_ggufs, tmp_path):
+    """Files beside the GGUF (here another model's tokenizer.json and config) must not be used."""
+    import shutil
+
+    folder = shutil.copytree(tiny_model_dirs["qwen2"], tmp_path / "qwen2-folder")
+    (folder / "llama.gguf").write_bytes(tiny_ggufs["llama"].read_bytes())
+    tokenizer = load_tokenizer(folder / "llama.gguf")
+    assert tokenizer("Hello world").input_ids == load_tokenizer(tiny_ggufs["llama"])("Hello world").input_ids
+    assert tokenizer.bos_token == "<s>"
