@@ -109,6 +109,9 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     add_serve_arguments(parser)
 
     def run(args: argparse.Namespace) -> int:
+        from kvpilot.engine.openmp import use_intel_openmp
+
+        use_intel_openmp()  # before torch is imported: see engine/openmp.py
         from kvpilot.engine.server.launcher import run_server
 
         return run_server(args)
