@@ -281,19 +281,20 @@ def _deployment_max_num_seqs(kube) -> str:
 
 def test_the_standby_takes_over_when_the_leader_is_killed_mid_reconcile(cluster, kube, operator):
     token_before = kube.get("v1", "Secret", NS, "tiny-admin")["data"]["token"]
-    leader = _wait_operator_running(cluster, kube)
-    (standby,) = [p["metadata"]["name"] for p in kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
-                  if p["metadata"]["name"] != leader["metadata"]["name"]]
+    leader = _wait_operator_running(cluster, kube)["metadata"]["name"]
     transitions = kube.get("coordination.k8s.io/v1", "Lease", NS, LEASE)["spec"].get("leaseTransitions", 0)
     cluster.kubectl("patch", "kvis", "tiny", "-n", NS, "--type", "merge",
                     "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 11}}}))
-    # No grace: the leader is gone before it could hand the Lease back, as if its node died.
-    cluster.kubectl("delete", "pod", leader["metadata"]["name"], "-n", NS, "--grace-period=0", "--force")
+    # No grace: the leader is killed mid-reconcile. Whether it still hands the Lease back between
+    # SIGTERM and SIGKILL is a race, and so is which replica then takes it: the standby, or the
+    # killed pod's replacement starting up. Either is a correct takeover; the killed one is not.
+    cluster.kubectl("delete", "pod", leader, "-n", NS, "--grace-period=0", "--force")
     killed = time.monotonic()
     cluster.kubectl("patch", "kvis", "tiny", "-n", NS, "--type", "merge",
                     "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 12}}}))
 
-    _wait(cluster, lambda: _lease_holder(kube) == standby, LEASE_SECONDS + 30, "the standby to take the Lease")
+    _wait(cluster, lambda: _lease_holder(kube) not in (None, leader), LEASE_SECONDS + 30,
+          "another replica to take the Lease")
     took_lease = time.monotonic() - killed
     _wait(cluster, lambda: _deployment_max_num_seqs(kube) == "12", 60, "the new leader to apply the spec")
     acted = time.monotonic() - killed
@@ -303,8 +304,8 @@ def test_the_standby_takes_over_when_the_leader_is_killed_mid_reconcile(cluster,
     assert acted < LEASE_SECONDS + 25, acted
     assert kube.get("coordination.k8s.io/v1", "Lease", NS, LEASE)["spec"]["leaseTransitions"] == transitions + 1
 
-    new_leader = _wait_operator_running(cluster, kube)  # the killed pod's replacement stands by
-    assert new_leader["metadata"]["name"] == standby
+    new_leader = _wait_operator_running(cluster, kube)
+    assert new_leader["metadata"]["name"] == _lease_holder(kube) != leader
     kvis = _wait_ready(cluster, kube, "tiny", 1)
     assert kvis["status"]["engine"]["maxNumSeqs"] == 12
     (pod,) = _engine_pods(kube, "tiny")
