@@ -22,7 +22,8 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "cpu_elem.h"
 
 #if !defined(HEAD_DIM) || !defined(KV_HEADS) || !defined(GROUP) || !defined(BLOCK_SIZE) || !defined(DTYPE)
 #error "build with -DHEAD_DIM=.. -DKV_HEADS=.. -DGROUP=.. -DBLOCK_SIZE=.. -DDTYPE=.."
@@ -30,34 +31,6 @@
 
 #define HEADS (KV_HEADS * GROUP)
 #define TOKEN_STRIDE (KV_HEADS * HEAD_DIM) /* elements from one cached token to the next */
-
-#define DTYPE_F32 0
-#define DTYPE_BF16 1
-#define DTYPE_F16 2
-
-#if DTYPE == DTYPE_BF16
-typedef uint16_t elem_t;
-static inline float to_f32(elem_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-static inline elem_t from_f32(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (elem_t)(bits >> 16);
-}
-#elif DTYPE == DTYPE_F16
-typedef _Float16 elem_t;
-static inline float to_f32(elem_t h) { return (float)h; }
-static inline elem_t from_f32(float f) { return (elem_t)f; }
-#else
-typedef float elem_t;
-static inline float to_f32(elem_t h) { return h; }
-static inline elem_t from_f32(float f) { return f; }
-#endif
 
 void kvpilot_paged_decode_attention(
     const elem_t *query, int64_t q_stride_tok, int64_t q_stride_head,

@@ -6,12 +6,9 @@ they cost a gather of every context into a padded buffer and then a
 rows) run far below the memory bandwidth. This kernel reads each K/V row once, straight from its
 cache block, for all the query heads that share it.
 
-The kernel is compiled with the system C compiler (``$CC``, default ``gcc``) for this machine's
-CPU, once per shape (dtype, head_dim, query heads per KV head, block size: compile-time constants,
-like a Triton kernel's ``constexpr``), in about half a second, and cached under
-``$KVPILOT_KERNEL_CACHE`` (default ``~/.cache/kvpilot/kernels``), keyed by the source, the shape,
-the compiler and the CPU's flags. Its OpenMP runtime is the libgomp torch has already
-loaded, so it uses torch's thread count. Its reference is
+The kernel is built by cpu_build.py once per shape (dtype, head_dim, query heads per KV head,
+block size: compile-time constants, like a Triton kernel's ``constexpr``), in about half a
+second. Its reference is
 :func:`kvpilot.kernels.paged_attention.paged_attention_reference`.
 """
 
@@ -19,34 +16,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kvpilot.kernels.cpu_build import DTYPE_CODES, KernelBuildError, load_library
+
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
-LIBS = ("-lm",)  # with libmvec: the vectorised expf that -ffast-math loops call
 # The kernel keeps per-item scratch on the stack of an OpenMP thread: [num_heads, head_dim] floats
 # twice and [num_heads, block_size] once, a few hundred KiB at most with these limits.
 MAX_HEAD_DIM = 256
 MAX_HEAD_ELEMENTS = 32768  # num_heads * head_dim
 MAX_BLOCK_SIZE = 128
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-class KernelBuildError(RuntimeError):
-    """The C kernel could not be compiled or loaded; the message says what to install or set."""
+__all__ = ["KernelBuildError", "kernel_for", "load_kernel", "paged_decode_attention", "supports"]
 
 
 def supports(*, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
     """Whether the kernel handles this model and cache shape (else attend with plain torch)."""
     return (
-        dtype in _DTYPE_CODES
+        dtype in DTYPE_CODES
         and head_dim <= MAX_HEAD_DIM
         and num_heads % num_kv_heads == 0
         and num_heads * head_dim <= MAX_HEAD_ELEMENTS
@@ -92,35 +80,9 @@ def load_kernel(
 
     Raises KernelBuildError when there is no working C compiler or the build fails.
     """
-    compiler = os.environ.get("CC", "gcc")
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise KernelBuildError(
-            f"no working C compiler {compiler!r} for the CPU attention kernel ({exc}); "
-            "install gcc (apt-get install gcc) or point $CC at one"
-        ) from None
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DKV_HEADS={num_kv_heads}", f"-DGROUP={group}",
-               f"-DBLOCK_SIZE={block_size}", f"-DDTYPE={_DTYPE_CODES[dtype]}")  # fmt: skip
-    command = [*FLAGS, *defines, *LIBS]
-    key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(command).encode(), _cpu_flags().encode()])
-    ).hexdigest()[:16]
-    cache = Path(os.environ.get("KVPILOT_KERNEL_CACHE") or Path.home() / ".cache" / "kvpilot" / "kernels")
-    library = cache / f"cpu_paged_decode-{key}.so"
-    if not library.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        # Built under a temporary name and renamed: concurrent engines never load a half-written file.
-        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
-        os.close(fd)
-        build = subprocess.run(
-            [compiler, *FLAGS, *defines, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True
-        )
-        if build.returncode != 0:
-            os.unlink(tmp)
-            raise KernelBuildError(f"compiling {SOURCE.name} with {compiler} failed:\n{build.stderr.strip()}")
-        os.replace(tmp, library)
-    kernel = ctypes.CDLL(str(library)).kvpilot_paged_decode_attention
+    defines = {"HEAD_DIM": head_dim, "KV_HEADS": num_kv_heads, "GROUP": group, "BLOCK_SIZE": block_size,
+               "DTYPE": DTYPE_CODES[dtype]}
+    kernel = load_library(SOURCE, defines).kvpilot_paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     kernel.restype = None
     kernel.argtypes = [
@@ -131,17 +93,6 @@ def load_kernel(
         ptr, i64, i64,  # out, its token and head strides
     ]  # fmt: skip
     return kernel
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags: the build uses -march=native, so a cached library is per CPU model."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _check_args(

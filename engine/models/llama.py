@@ -1,9 +1,11 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat, variable-length batch.
 
 Weights are laid out for CPU speed: q/k/v are one matmul (``qkv_proj``) and gate/up are one
-matmul (``gate_up_proj``); the loader fuses the Hugging Face tensors into them. Numerics
-follow transformers' reference implementation (RMSNorm in float32, RoPE in the model dtype
-with float32 angles) so logits match it closely.
+matmul (``gate_up_proj``); the loader fuses the Hugging Face tensors into them. The small
+operations between the matmuls (residual add + RMSNorm, RoPE, SiLU-and-mul) run as fused C
+kernels on the CPU and as their torch references elsewhere (kvpilot.kernels.cpu_fused_ops).
+Numerics follow transformers' reference implementation (RMSNorm in float32, RoPE in the model
+dtype with float32 angles) so logits match it closely.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from kvpilot.engine.attention import AttentionBackend, AttentionMetadata
 from kvpilot.engine.models.config import ModelArch, RopeScaling
+from kvpilot.kernels import cpu_fused_ops
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -30,10 +33,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalised in float32 and rounded before the weight, as transformers does; torch's
-    # rms_norm is one kernel where the spelled-out version is four.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+def add_rms_norm(
+    delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of residual + delta, residual + delta); without a residual, of delta alone."""
+    if cpu_fused_ops.usable(delta):
+        return cpu_fused_ops.add_rms_norm(delta, residual, weight, eps)
+    return cpu_fused_ops.add_rms_norm_reference(delta, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if cpu_fused_ops.usable(gate_up):
+        return cpu_fused_ops.silu_mul(gate_up)
+    return cpu_fused_ops.silu_mul_reference(gate_up)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim] (halves repeated,
+    sin's first half negated). On the CPU x is rotated in place."""
+    if cpu_fused_ops.usable(x):
+        return cpu_fused_ops.rope_(x, cos, signed_sin)
+    return cpu_fused_ops.rope_reference(x, cos, signed_sin)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -54,16 +74,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos: [num_tokens, 1, head_dim] (halves repeated);
-    signed_sin: the same for sin, first half negated.
-
-    The "rotate half" form ``x * cos + cat(-x2, x1) * sin``: swapping the halves is a roll and
-    the negation lives in ``signed_sin``, so a rotation is three kernels instead of five.
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class DecoderLayer(nn.Module):
@@ -87,17 +97,17 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        delta: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's output (the embeddings first)
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]: the residual stream so far; None first
         cos: torch.Tensor,  # [num_tokens, 1, head_dim]
         signed_sin: torch.Tensor,  # [num_tokens, 1, head_dim]: sin with its first half negated
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the residual stream before it is added)
         arch = self.arch
-        num_tokens = hidden.shape[0]
-        residual = hidden
-        x = rms_norm(hidden, self.input_layernorm, arch.rms_norm_eps)
+        num_tokens = delta.shape[0]
+        x, residual = add_rms_norm(delta, residual, self.input_layernorm, arch.rms_norm_eps)
         qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads are adjacent in qkv, so one rotation covers both.
@@ -105,13 +115,11 @@ class DecoderLayer(nn.Module):
         q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
         v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
         attn = backend.forward(q, k, v, kv_cache, metadata, arch.attention_scale)  # [num_tokens, heads, head_dim]
-        hidden = residual + linear(attn.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
+        attn_out = linear(attn.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
 
-        residual = hidden
-        x = rms_norm(hidden, self.post_attention_layernorm, arch.rms_norm_eps)
+        x, residual = add_rms_norm(attn_out, residual, self.post_attention_layernorm, arch.rms_norm_eps)
         gate_up = linear(x, self.gate_up_proj, self.gate_up_bias)  # [num_tokens, 2 * intermediate]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return residual + linear(F.silu(gate).mul_(up), self.down_proj, self.down_bias)
+        return linear(silu_mul(gate_up), self.down_proj, self.down_bias), residual
 
 
 class CausalLM(nn.Module):
@@ -148,9 +156,10 @@ class CausalLM(nn.Module):
         cos = angles.cos().to(hidden.dtype)
         signed_sin = angles.sin().to(hidden.dtype)
         signed_sin[..., : self.arch.head_dim // 2].neg_()
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, signed_sin, kv_cache, metadata, backend)
-        return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+            hidden, residual = layer(hidden, residual, cos, signed_sin, kv_cache, metadata, backend)
+        return add_rms_norm(hidden, residual, self.norm, self.arch.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32."""

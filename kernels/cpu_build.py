@@ -1,0 +1,72 @@
+"""Builds the CPU C kernels (cpu_paged_decode.c, cpu_fused_ops.c) on first use, and caches them.
+
+A kernel is compiled with the system C compiler (``$CC``, default ``gcc``) for this machine's
+CPU (``-march=native``), with its shape constants as ``-D`` defines, and cached under
+``$KVPILOT_KERNEL_CACHE`` (default ``~/.cache/kvpilot/kernels``), keyed by the sources (the C
+file and the headers beside it), the defines, the compiler and the CPU's flags. Its OpenMP calls
+bind to the runtime torch has already loaded (libgomp, or Intel OpenMP under `kvpilot serve`),
+so kernels and torch's own operators share one thread pool and one thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+# cpu_elem.h's element types, chosen with -DDTYPE.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)  # with libmvec: the vectorised expf that -ffast-math loops call
+
+
+class KernelBuildError(RuntimeError):
+    """A C kernel could not be compiled or loaded; the message says what to install or set."""
+
+
+def load_library(source: Path, defines: dict[str, int]) -> ctypes.CDLL:
+    """``source`` compiled with ``-DNAME=VALUE`` for each define (built once, then from the cache)."""
+    compiler = os.environ.get("CC", "gcc")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise KernelBuildError(
+            f"no working C compiler {compiler!r} for the CPU kernels ({exc}); "
+            "install gcc (apt-get install gcc) or point $CC at one"
+        ) from None
+    flags = [*FLAGS, *(f"-D{name}={value}" for name, value in defines.items())]
+    sources = [source, *sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256(
+        b"\0".join([*(s.read_bytes() for s in sources), version.encode(), " ".join(flags).encode(),
+                    _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("KVPILOT_KERNEL_CACHE") or Path.home() / ".cache" / "kvpilot" / "kernels")
+    library = cache / f"{source.stem}-{key}.so"
+    if not library.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed: concurrent engines never load a half-written file.
+        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+        os.close(fd)
+        build = subprocess.run([compiler, *flags, "-o", tmp, str(source), *LIBS], capture_output=True, text=True)
+        if build.returncode != 0:
+            os.unlink(tmp)
+            raise KernelBuildError(f"compiling {source.name} with {compiler} failed:\n{build.stderr.strip()}")
+        os.replace(tmp, library)
+    return ctypes.CDLL(str(library))
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: the build uses -march=native, so a cached library is per CPU model."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
