@@ -110,13 +110,14 @@ MODEL_URI_PATTERNS = (
 
 
 class ModelSource(SpecModel):
-    """Where the model's Hugging Face folder (config.json, safetensors, tokenizer) comes from."""
+    """Where the model comes from: a Hugging Face folder (config.json, safetensors, tokenizer) or one GGUF file."""
 
     uri: str = Field(
         description=(
-            "Location of the model folder. pvc://CLAIM/PATH mounts PersistentVolumeClaim CLAIM read-only and "
-            "serves PATH inside it; file:///HOST/PATH mounts a directory of the node (hostPath); hf://ORG/NAME "
-            "downloads the repository from the Hugging Face Hub in an init container before the engine starts."
+            "Location of the model: a Hugging Face folder or one .gguf file. pvc://CLAIM/PATH mounts "
+            "PersistentVolumeClaim CLAIM read-only and serves PATH inside it; file:///HOST/PATH mounts a directory, "
+            "or a .gguf file, of the node (hostPath); hf://ORG/NAME downloads the repository from the Hugging Face "
+            "Hub in an init container before the engine starts."
         ),
         min_length=1,
         max_length=1024,
