@@ -15,7 +15,7 @@ an earlier point or repeat), a few warm-up requests, then each load point in tur
 
 Every request streams a completion of a distinct prompt (8-48 random English words; no two
 share a prefix of a KV block, unless ``--shared-prefix WORDS`` puts the same system-prompt-like
-words first) for exactly ``--output-tokens`` tokens (EOS ignored), with
+words first; every system gets the same prompts and, open loop, the same arrival times) for exactly ``--output-tokens`` tokens (EOS ignored), with
 ``stream_options.include_usage`` so tokens are counted from ``usage``, not from SSE events (a
 detokenizer holds back tokens that end inside a multi-byte character, so one event can carry
 several tokens). Per request: TTFT (send to first text), TPOT ((last text - first text) /
@@ -168,20 +168,24 @@ def start_server(system: str, model: Path, max_num_seqs: int, args: argparse.Nam
 
 
 class Prompts:
-    """Distinct random-word prompts; each call of ``take`` gives prompts never handed out before."""
+    """Random-word prompts: the same for every system at the same repeat and load point (each
+    system gets the same work), distinct between points and from the warm-up's (a server never
+    sees a prompt twice, so nothing is served from its prefix cache)."""
 
     def __init__(self, seed: int, words: tuple[int, int], shared_prefix: int) -> None:
         from kvpilot.engine.tokenizer_files import ENGLISH_TEXT
 
-        self.rng = random.Random(seed)
+        self.seed, self.words = seed, words
         self.vocabulary = sorted({w.strip(".,?!:;()\"'").lower() for w in ENGLISH_TEXT.split()} - {""})
-        self.words = words
-        self.prefix = " ".join(self.rng.choice(self.vocabulary) for _ in range(shared_prefix))
+        rng = random.Random(seed)
+        self.prefix = " ".join(rng.choice(self.vocabulary) for _ in range(shared_prefix))
 
-    def take(self, count: int) -> list[str]:
+    def for_point(self, repeat: int, point: int, count: int) -> list[str]:
+        """``count`` prompts of load point ``point`` (-1: the warm-up) in ``repeat``."""
+        rng = random.Random(f"{self.seed}/{repeat}/{point}")
         prompts = []
         for _ in range(count):
-            body = " ".join(self.rng.choice(self.vocabulary) for _ in range(self.rng.randint(*self.words)))
+            body = " ".join(rng.choice(self.vocabulary) for _ in range(rng.randint(*self.words)))
             prompts.append(f"{self.prefix} {body}" if self.prefix else body.capitalize())
         return prompts
 
@@ -226,7 +230,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: str, outp
 
 
 async def run_point(url: str, point: LoadPoint, prompts: list[str], output_tokens: int,
-                    rng: random.Random) -> tuple[list[RequestRecord], float]:
+                    arrivals_seed: str) -> tuple[list[RequestRecord], float]:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -241,6 +245,7 @@ async def run_point(url: str, point: LoadPoint, prompts: list[str], output_token
 
             await asyncio.gather(*(client() for _ in range(int(point.level))))
         else:
+            rng = random.Random(arrivals_seed)  # the same arrival times for every system
             tasks = []
             for prompt in prompts:
                 tasks.append(asyncio.create_task(stream_one(session, url, prompt, output_tokens)))
@@ -395,7 +400,6 @@ def main() -> int:
     model = benchmark_model(args.model, args.seed)
     points = load_points(args)
     prompts = Prompts(args.seed, tuple(args.prompt_words), args.shared_prefix)
-    rng = random.Random(args.seed)
     print(f"model {model}; systems {', '.join(args.systems)}; {os.cpu_count()} cores; max_num_seqs "
           f"{args.max_num_seqs}; loads {[p.label for p in points]}; {args.output_tokens} output tokens; "
           f"{args.repeat} run(s)", flush=True)
@@ -408,10 +412,11 @@ def main() -> int:
                 try:
                     server.wait_ready()
                     asyncio.run(run_point(server.url, LoadPoint("closed", WARMUP_REQUESTS, WARMUP_REQUESTS),
-                                          prompts.take(WARMUP_REQUESTS), 16, rng))
-                    for point in points:
-                        records, seconds = asyncio.run(
-                            run_point(server.url, point, prompts.take(point.num_requests), args.output_tokens, rng))
+                                          prompts.for_point(repeat, -1, WARMUP_REQUESTS), 16, ""))
+                    for point_index, point in enumerate(points):
+                        records, seconds = asyncio.run(run_point(
+                            server.url, point, prompts.for_point(repeat, point_index, point.num_requests),
+                            args.output_tokens, f"{args.seed}/{repeat}/{point_index}/arrivals"))
                         results.append(summarize(system, mns, point, repeat, records, seconds))
                         print_result(results[-1])
                         errors = {r.error for r in records if not r.ok}
