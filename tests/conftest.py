@@ -18,6 +18,19 @@ import pytest  # noqa: E402  (the environment flag above must be set first)
 MODEL_ARCHS = ("llama", "mistral", "qwen2")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``):
+    models this small are all small ops, and one thread avoids OpenMP barrier stalls when the
+    machine's cores are shared."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict:
     """arch -> folder of a generated `tiny` model (float32, real tokenizer), built once per session."""

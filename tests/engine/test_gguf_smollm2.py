@@ -18,7 +18,7 @@ from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.models import load_model, load_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 NEW_TOKENS = 64
 LOGITS_ATOL = 2e-3  # largest |kvpilot - transformers| over every position and the vocabulary
@@ -53,14 +53,6 @@ see the coast of the next island, and on a stormy night you can still watch the 
 in the dark, as it has done for generations.
 """
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """A 576-wide model is small matmuls; one thread avoids OpenMP barrier stalls on shared cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

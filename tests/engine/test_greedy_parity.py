@@ -9,16 +9,10 @@ import torch
 
 from kvpilot.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NEW_TOKENS = 32
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models are all small ops; one thread avoids OpenMP barrier stalls when cores are shared."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])

@@ -5,21 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from kvpilot.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MAX_MODEL_LEN = 128
 NEW_TOKENS = 24
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models are all small ops; one thread avoids OpenMP barrier stalls when cores are shared."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

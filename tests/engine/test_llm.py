@@ -6,23 +6,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import ConfigError, EngineConfig
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.request import InvalidRequestError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models are all small ops; one thread avoids OpenMP barrier stalls when cores are shared."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """A 576-wide model is small matmuls; one thread avoids OpenMP barrier stalls on shared cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
