@@ -119,8 +119,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kvpilot-env", nargs="*", default=[], metavar="VAR=VALUE",
                         help="extra environment for kvpilot serve (e.g. KVPILOT_STEP_TRACE=/tmp/steps.jsonl)")
     parser.add_argument("--vllm-env", nargs="*", default=[], metavar="VAR=VALUE",
-                        help="extra environment for vLLM (default: LD_PRELOAD of tcmalloc and Intel OpenMP when "
-                        "found, as vLLM's CPU docs recommend)")
+                        help="extra environment for vLLM (it always gets LD_PRELOAD of tcmalloc and Intel OpenMP, "
+                        "installed when missing, as vLLM's CPU guide asks)")
     parser.add_argument("--plot", type=Path, default=None, help="write the plot here (e.g. docs/serving.png)")
     parser.add_argument("--json", type=Path, default=None, help="write every point's figures here")
     args = parser.parse_args()
