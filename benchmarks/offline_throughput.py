@@ -38,6 +38,7 @@ from pathlib import Path
 from serving_common import benchmark_model, vllm_cpu_env
 
 WORKER = Path(__file__).resolve().parent / "offline_worker.py"
+KV_CACHE_GIB = 2  # every system's KV cache space
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,12 +77,12 @@ def run_once(system: str, workload_path: Path, args: argparse.Namespace, **optio
     python = str(args.vllm_python) if system == "vllm" else sys.executable
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         command = [python, str(WORKER), system, str(workload_path), result.name, "--threads", str(args.threads),
-                   "--max-num-seqs", str(args.max_num_seqs)]
+                   "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-gib", str(KV_CACHE_GIB)]
         for name, value in options.items():
             command += [f"--{name.replace('_', '-')}", str(value)]
         env = dict(os.environ)
         if system == "vllm":
-            env |= vllm_cpu_env(args.vllm_python, args.threads, kv_cache_gib=2)
+            env |= vllm_cpu_env(args.vllm_python, args.threads, KV_CACHE_GIB)
         completed = subprocess.run(command, cwd=tempfile.gettempdir(), env=env, capture_output=True, text=True)
         if completed.returncode != 0:
             raise RuntimeError(f"{system} run failed ({completed.returncode}):\n{completed.stderr[-3000:]}")

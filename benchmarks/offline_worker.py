@@ -28,7 +28,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the system's)")
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--kv-cache-gib", type=int, default=2)
+    parser.add_argument("--kv-cache-gib", type=int, required=True,
+                        help="kvpilot's KV space (vLLM's comes from VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     return parser.parse_args()
 
