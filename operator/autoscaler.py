@@ -88,6 +88,7 @@ class ScaleDecision:
     reason: str
     history: ScalingHistory
     previous: int
+    demand: float | None = None  # output tokens/s the decision planned for; None without metrics
 
     @property
     def changed(self) -> bool:
@@ -122,9 +123,10 @@ def autoscale(
 ) -> ScaleDecision:
     """Replicas for the next interval; ``saturated`` says the Ready replicas ran at their max_num_seqs."""
     current = replicas.desired
+    demand: float | None = None  # set once the metrics give it; every decision after reports it
 
     def decide(target: int, reason: str, hist: ScalingHistory) -> ScaleDecision:
-        return ScaleDecision(target, reason, hist, current)
+        return ScaleDecision(target, reason, hist, current, demand)
 
     bounded = min(max(current, policy.min_replicas), policy.max_replicas)
     if bounded != current:

@@ -495,6 +495,10 @@ class AutoscalingStatus(StatusModel):
     """What the autoscaler last decided and why."""
 
     desired_replicas: int | None = Field(default=None, description="Replicas the autoscaler wants.")
+    demand_tokens_per_second: float | None = Field(
+        default=None, description="Output tokens/s it planned for: served in the window plus the queue to drain.")
+    capacity_per_replica: float | None = Field(
+        default=None, description="Output tokens/s one Ready replica delivered while saturated (smoothed).")
     reason: str | None = Field(default=None, description="Why, in one line.")
     time: str | None = Field(default=None, description="When it was decided (RFC 3339).")
 

@@ -199,8 +199,10 @@ def compute_status(
     events: list[dict[str, Any]],
     previous_conditions: list[dict[str, Any]],
     now: str,
+    url: str | None = None,
 ) -> dict[str, Any]:
-    """The status fields the reconcile owns (the tuner writes metrics, tuning and autoscaling)."""
+    """The status fields the reconcile owns (the tuner writes metrics, tuning and autoscaling); ``url``:
+    the base URL to report (default: the service's own)."""
     previous = {c.get("type"): c for c in previous_conditions}
     desired = spec.replicas
     dep_status = (deployment or {}).get("status") or {}
@@ -233,7 +235,7 @@ def compute_status(
     else:
         degraded = _condition(ConditionType.DEGRADED, False, "AsExpected", "", generation, previous, now)
 
-    url = builders.service_url(name, namespace)
+    url = url or builders.service_url(name, namespace)
     if desired == 0:
         ready_cond = _condition(ConditionType.READY, False, "ScaledToZero", "spec.replicas is 0", generation,
                                 previous, now)
@@ -349,7 +351,9 @@ def tuning_status(decision: Decision, now: float) -> dict[str, Any]:
 
 def autoscaling_status(decision: ScaleDecision, now: float) -> dict[str, Any]:
     """``status.autoscaling``: the replicas the autoscaler wants and why."""
-    fields = {"desiredReplicas": decision.replicas, "reason": decision.reason, "time": rfc3339(now)}
+    fields = {"desiredReplicas": decision.replicas, "reason": decision.reason, "time": rfc3339(now),
+              "demandTokensPerSecond": _rounded(decision.demand, 1),
+              "capacityPerReplica": _rounded(decision.history.capacity_per_replica, 1)}
     return AutoscalingStatus.model_validate(fields).model_dump(by_alias=True, exclude_none=True)
 
 

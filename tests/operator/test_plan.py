@@ -86,6 +86,16 @@ def test_the_autoscaler_asks_for_replicas_and_sees_the_new_settings():
     assert result.memory.scaling == result.scale.history
 
 
+def test_the_autoscaling_status_shows_the_inputs_of_the_sizing_rule():
+    only_scaling = AUTOSCALED.model_copy(update={"tuning": None})
+    saturated = observation(output_tokens_per_second=2000.0, waiting_now=200.0, pods=1)
+    scaling = _plan(reading(saturated, ready=("a",), spec_=only_scaling)).status["autoscaling"]
+    # 2000 tok/s served + a queue of 200 x 150 tokens drained over 60 s; the one saturated
+    # replica's 2000 tok/s is its capacity; ceil(2500 / (2000 x 0.8)) = 2.
+    assert scaling["demandTokensPerSecond"] == 2500.0 and scaling["capacityPerReplica"] == 2000.0
+    assert scaling["desiredReplicas"] == 2
+
+
 def test_metrics_unavailable_is_posted_once_per_outage():
     first = _plan(reading(unreachable=("b",), ready=("a", "b")))
     assert [e.reason for e in first.events if e.type == "Warning"] == ["MetricsUnavailable"]
