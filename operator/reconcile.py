@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from kvpilot.operator import builders, operator_metrics, status, tuning_configmap
 from kvpilot.operator.kube import Kube, KubeError
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec, parse_spec
+from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec, parse_spec, spec_error_message
 
 
 @dataclass
@@ -34,14 +34,6 @@ class Outcome:
     warnings: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
     status: dict[str, Any] = field(default_factory=dict)
     subject: dict[str, Any] | None = None  # the InferenceService as last read, for posting Events
-
-
-def spec_error_message(exc: ValidationError) -> str:
-    parts = []
-    for error in exc.errors():
-        where = ".".join(str(p) for p in error["loc"]) or "spec"
-        parts.append(f"spec.{where}: {error['msg']}")
-    return "; ".join(parts)
 
 
 def read_settings_in_effect(kube: Kube, name: str, namespace: str, spec: InferenceServiceSpec) -> EngineSettings:

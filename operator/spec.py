@@ -16,9 +16,9 @@ import enum
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "kvpilot.io"
@@ -31,6 +31,11 @@ SHORT_NAMES = ("kvis",)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Upper bound of the token counts (context length, step budget): far above any model's, low enough
+# that a typo (an extra zero or three) is caught at admission rather than by an engine failing to start.
+MAX_TOKENS = 1 << 20
+# Upper bound of replica counts: a typo, not a fleet.
+MAX_REPLICAS = 1024
 # Children are named after the InferenceService plus a short suffix, and the
 # Service name must be a DNS-1035 label (at most 63 characters).
 MAX_NAME_LENGTH = 52
@@ -44,6 +49,14 @@ class Rule:
     message: str
     check: Callable[[Any], bool]
     field_path: str | None = None
+
+
+class RuleViolation(ValueError):
+    """A Rule's check failed; carries the rule, so the error can name its field as the API server does."""
+
+    def __init__(self, rule: Rule) -> None:
+        super().__init__(rule.message)
+        self.rule = rule
 
 
 def _add_rules_to_schema(schema: dict[str, Any], cls: type) -> None:
@@ -71,7 +84,7 @@ class SpecModel(BaseModel):
     def _check_rules(self) -> SpecModel:
         for rule in self.rules:
             if not rule.check(self):
-                raise ValueError(rule.message)
+                raise RuleViolation(rule)
         return self
 
 
@@ -99,6 +112,14 @@ class SecretKeySelector(SpecModel):
 
     name: str = Field(description="Name of the Secret.", min_length=1, max_length=253)
     key: str = Field(default="token", description="Key inside the Secret that holds the value.", max_length=253)
+
+
+# A non-negative Kubernetes quantity (resource.Quantity's grammar): what CEL's isQuantity() accepts, less the sign.
+_QUANTITY_PATTERN = r"\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?"
+
+
+def _is_quantity(text: str) -> bool:
+    return re.fullmatch(_QUANTITY_PATTERN, text) is not None
 
 
 # RE2 patterns (CEL's matches()) that Python's re reads the same way.
@@ -170,6 +191,24 @@ class Resources(SpecModel):
         description="Memory per engine pod as a Kubernetes quantity (e.g. 32Gi). Unset: no memory request or limit.",
         max_length=64,
     )
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel=(
+                "!has(self.cpu) || (type(self.cpu) == int ? self.cpu >= 0 : "
+                "isQuantity(self.cpu) && !quantity(self.cpu).isLessThan(quantity('0')))"
+            ),
+            message="resources.cpu must be a non-negative Kubernetes quantity such as 4 or 3500m",
+            check=lambda r: r.cpu is None or (r.cpu >= 0 if isinstance(r.cpu, int) else _is_quantity(r.cpu)),
+            field_path=".cpu",
+        ),
+        Rule(
+            cel=("!has(self.memory) || "
+                 "(isQuantity(self.memory) && !quantity(self.memory).isLessThan(quantity('0')))"),
+            message="resources.memory must be a non-negative Kubernetes quantity such as 32Gi or 512Mi",
+            check=lambda r: r.memory is None or _is_quantity(r.memory),
+            field_path=".memory",
+        ),
+    )
 
 
 class EngineSettings(SpecModel):
@@ -185,7 +224,7 @@ class EngineSettings(SpecModel):
         ),
     )
     max_num_batched_tokens: int | None = Field(
-        default=None, ge=1,
+        default=None, ge=1, le=MAX_TOKENS,
         description="Token budget of one engine step (prefill chunks plus decodes). Unset: the engine's default.",
     )
     gpu_memory_utilization: float = Field(
@@ -231,7 +270,8 @@ class EngineParams(EngineSettings):
 
     block_size: int = Field(default=16, description="Tokens per KV-cache block: a power of two from 8 to 128.")
     max_model_len: int | None = Field(
-        default=None, ge=1, description="Longest sequence (prompt plus output) served. Unset: the model's own limit."
+        default=None, ge=1, le=MAX_TOKENS,
+        description="Longest sequence (prompt plus output) served. Unset: the model's own limit."
     )
     enable_chunked_prefill: bool = Field(
         default=True, description="Split long prompts across steps so they do not stall running requests."
@@ -276,6 +316,7 @@ class MaxNumSeqsBounds(SpecModel):
             cel="self.min <= self.max",
             message="tuning.maxNumSeqs.min must be at most tuning.maxNumSeqs.max",
             check=lambda b: b.min <= b.max,
+            field_path=".min",
         ),
     )
 
@@ -305,10 +346,10 @@ class Slo(SpecModel):
     """Latency targets the tuner keeps while it raises throughput. Give at least one."""
 
     ttft_p99_seconds: float | None = Field(
-        default=None, gt=0, description="Target 99th-percentile time to first token, in seconds."
+        default=None, gt=0, le=3600, description="Target 99th-percentile time to first token, in seconds."
     )
     itl_p99_seconds: float | None = Field(
-        default=None, gt=0, description="Target 99th-percentile inter-token latency, in seconds."
+        default=None, gt=0, le=60, description="Target 99th-percentile inter-token latency, in seconds."
     )
 
 
@@ -357,13 +398,14 @@ class Autoscaling(SpecModel):
     subresource; disable it to let an HPA or KEDA drive that subresource instead."""
 
     enabled: bool = Field(default=True, description="Let the operator scale replicas between minReplicas and maxReplicas.")
-    min_replicas: int = Field(default=1, ge=0, description="Fewest replicas.")
-    max_replicas: int = Field(ge=1, description="Most replicas (each needs its own GPUs).")
+    min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Fewest replicas.")
+    max_replicas: int = Field(ge=1, le=MAX_REPLICAS, description="Most replicas (each needs its own GPUs).")
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="self.minReplicas <= self.maxReplicas",
             message="autoscaling.minReplicas must be at most autoscaling.maxReplicas",
             check=lambda a: a.min_replicas <= a.max_replicas,
+            field_path=".minReplicas",
         ),
     )
 
@@ -377,12 +419,12 @@ class InferenceServiceSpec(SpecModel):
         description="Engine container image. Unset: the operator's default (KVPILOT_ENGINE_IMAGE).",
         max_length=1024,
     )
-    image_pull_policy: str | None = Field(
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None,
         description="Always, IfNotPresent or Never. Unset: Kubernetes' default for the image tag.",
-        json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]},
     )
-    replicas: int = Field(default=1, ge=0, le=1024, description="Engine pods. The scale subresource sets this field.")
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS,
+                          description="Engine pods. The scale subresource sets this field.")
     resources: Resources = Field(
         default_factory=Resources, description="Compute per engine pod.", json_schema_extra=_object_default(Resources)
     )
@@ -412,6 +454,7 @@ class InferenceServiceSpec(SpecModel):
             message="engine.maxNumSeqs must lie within tuning.maxNumSeqs.min and tuning.maxNumSeqs.max",
             check=lambda s: s.tuning is None or not s.tuning.enabled
             or s.tuning.max_num_seqs.min <= s.engine.max_num_seqs <= s.tuning.max_num_seqs.max,
+            field_path=".engine.maxNumSeqs",
         ),
         Rule(
             cel=(
@@ -422,6 +465,7 @@ class InferenceServiceSpec(SpecModel):
             message="engine.gpuMemoryUtilization must lie within tuning.gpuMemoryUtilization.min and .max",
             check=lambda s: s.tuning is None or not s.tuning.enabled
             or s.tuning.gpu_memory_utilization.min <= s.engine.gpu_memory_utilization <= s.tuning.gpu_memory_utilization.max,
+            field_path=".engine.gpuMemoryUtilization",
         ),
     )
 
@@ -540,3 +584,30 @@ NAME_RULE = Rule(
 def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     """Validates a resource's spec (already defaulted by the API server, or not)."""
     return InferenceServiceSpec.model_validate(spec)
+
+
+# pydantic's words for the problems the API server words differently.
+_API_SERVER_WORDS = {"missing": "Required value", "extra_forbidden": "unknown field"}
+# Steps of an error's location that name a union member or a validator, not a field.
+_NOT_A_FIELD = re.compile(r"^(int|str|float|bool)$|[\[(]")
+
+
+def spec_error_message(exc: ValidationError) -> str:
+    """Why parse_spec rejected a spec, in the API server's form: ``spec.PATH: what is wrong``, one per
+    problem, PATH in the resource's camelCase (a Rule names its fieldPath, as its CEL twin does)."""
+    parts = []
+    for problem in exc.errors():
+        path = "spec"
+        for step in problem["loc"]:
+            if isinstance(step, int):
+                path += f"[{step}]"
+            elif not _NOT_A_FIELD.search(step):
+                path += f".{step}"
+        violation = (problem.get("ctx") or {}).get("error")
+        if isinstance(violation, RuleViolation):
+            path += violation.rule.field_path or ""
+            message = violation.rule.message
+        else:
+            message = _API_SERVER_WORDS.get(problem["type"], problem["msg"])
+        parts.append(f"{path}: {message}")
+    return "; ".join(parts)

@@ -47,17 +47,29 @@ def test_known_model_uris_pass(uri):
 
 
 @pytest.mark.parametrize("case", INVALID, ids=[c["case"] for c in INVALID])
-def test_invalid_specs_fail_with_the_crd_message(case):
+def test_invalid_specs_fail_naming_the_field_with_the_crd_message(case):
     with pytest.raises(ValidationError) as info:
         spec.parse_spec(case["spec"])
-    assert case["message"] in str(info.value)
+    message = spec.spec_error_message(info.value)
+    assert f"{case['field']}: " in message and case["message"] in message, message
+
+
+def test_error_message_names_every_problem_in_the_api_servers_words():
+    with pytest.raises(ValidationError) as info:
+        spec.parse_spec({"model": {"uri": "pvc://m"}, "replicas": 5000, "engine": {"blockSize": 24, "x": 1},
+                         "tolerations": ["not an object"]})
+    assert spec.spec_error_message(info.value).split("; ") == [
+        "spec.replicas: Input should be less than or equal to 1024",
+        "spec.engine.x: unknown field",
+        "spec.tolerations[0]: Input should be a valid dictionary",
+    ]
 
 
 def test_every_rule_message_is_covered_by_an_invalid_case():
     """Each CEL rule must have a case, so the e2e test proves the API server says the same."""
     messages = {c["message"] for c in INVALID}
-    models = [spec.ModelSource, spec.EngineParams, spec.MaxNumSeqsBounds, spec.MemoryFractionBounds,
-              spec.Tuning, spec.Autoscaling, spec.InferenceServiceSpec]
+    models = [spec.ModelSource, spec.Resources, spec.EngineParams, spec.MaxNumSeqsBounds,
+              spec.MemoryFractionBounds, spec.Tuning, spec.Autoscaling, spec.InferenceServiceSpec]
     for model in models:
         for rule in model.rules:
             assert any(m in rule.message for m in messages), f"no invalid case for: {rule.message}"
