@@ -17,6 +17,7 @@ from kvpilot import __version__
 COMPONENT_CLIS = (
     "kvpilot.engine.cli",
     "kvpilot.operator.cli",
+    "kvpilot.gateway.cli",
     "kvpilot.localcluster.cli",
 )
 
@@ -24,7 +25,7 @@ COMPONENT_CLIS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpilot",
-        description="LLM inference on Kubernetes: engine, operator and local cluster.",
+        description="LLM inference on Kubernetes: engine, operator, gateway and local cluster.",
     )
     parser.add_argument("--version", action="version", version=f"kvpilot {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

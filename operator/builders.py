@@ -68,6 +68,11 @@ def service_url(name: str, namespace: str) -> str:
     return f"http://{name}.{namespace}.svc.cluster.local:{ENGINE_PORT}/v1"
 
 
+def status_url(name: str, namespace: str, gateway_url: str | None) -> str:
+    """The OpenAI base URL clients use: the gateway's when one runs, else the service's own."""
+    return f"{gateway_url}/v1" if gateway_url else service_url(name, namespace)
+
+
 def _metadata(name: str, namespace: str, service: str) -> dict[str, Any]:
     return {"name": name, "namespace": namespace, "labels": labels(service)}
 

@@ -97,7 +97,8 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
         owner_name = (body.get("metadata", {}).get("labels") or {}).get(builders.INSTANCE_LABEL)
         if not owner_name:
             return
-        outcome = reconcile.refresh_status(context.kube, {"metadata": {"name": owner_name, "namespace": namespace}})
+        outcome = reconcile.refresh_status(context.kube, {"metadata": {"name": owner_name, "namespace": namespace}},
+                                           gateway_url=context.settings.gateway_url)
         if outcome.subject is not None:
             post_outcome(outcome.subject, outcome)
 

@@ -67,7 +67,7 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings) -> O
     elif kube.delete("policy/v1", "PodDisruptionBudget", namespace, name):
         outcome.actions.append(f"Deleted PodDisruptionBudget {name} (one replica needs none)")
 
-    refreshed = refresh_status(kube, body, spec=spec, in_effect=in_effect)
+    refreshed = refresh_status(kube, body, spec=spec, in_effect=in_effect, gateway_url=settings.gateway_url)
     outcome.warnings.extend(refreshed.warnings)
     outcome.status = refreshed.status
     return outcome
@@ -121,9 +121,9 @@ _status_locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(thread
 
 
 def refresh_status(kube: Kube, body: dict[str, Any], *, spec: InferenceServiceSpec | None = None,
-                   in_effect: EngineSettings | None = None) -> Outcome:
+                   in_effect: EngineSettings | None = None, gateway_url: str | None = None) -> Outcome:
     """Recomputes the status from the children and writes it when it changed. Only the name and
-    namespace of ``body`` are read: the service is read afresh."""
+    namespace of ``body`` are read: the service is read afresh. ``gateway_url``: the operator's setting."""
     meta = body["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     # A caller that applied a spec reports that spec's generation, even if a newer one has arrived.
@@ -148,6 +148,7 @@ def refresh_status(kube: Kube, body: dict[str, Any], *, spec: InferenceServiceSp
             generation=applied_generation or body["metadata"].get("generation"),
             settings=in_effect, deployment=deployment, pods=pods, events=events,
             previous_conditions=_conditions(body), now=status.rfc3339(time.time()),
+            url=builders.status_url(name, namespace, gateway_url),
         )
         operator_metrics.record_replicas(namespace, name, spec.replicas, new_status["readyReplicas"])
         return Outcome(warnings=_new_problems(body, new_status), status=_write_status(kube, body, new_status),

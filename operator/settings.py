@@ -51,6 +51,9 @@ class OperatorSettings:
     leader_election_identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     # Seconds of lower demand the autoscaler waits out before removing a replica.
     scale_down_stabilization_seconds: float = 300.0
+    # Base URL of the kvpilot gateway (the chart's gateway.url), reported as every service's
+    # status.url; None: each service's own in-cluster Service URL.
+    gateway_url: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
@@ -76,6 +79,7 @@ class OperatorSettings:
             leader_election_lease_seconds=_float(env, "KVPILOT_LEADER_ELECTION_LEASE_SECONDS",
                                                  defaults.leader_election_lease_seconds, 5.0),
             leader_election_identity=env.get("KVPILOT_POD_NAME") or defaults.leader_election_identity,
+            gateway_url=(env.get("KVPILOT_GATEWAY_URL") or "").rstrip("/") or None,
         )
 
     @property

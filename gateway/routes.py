@@ -1,0 +1,89 @@
+"""Pure: InferenceServices and their engine pods -> where each served model name can go.
+
+The gateway's whole view of the cluster is this table, rebuilt from what the
+watches last saw (``discovery.py``). A model is routable as soon as its
+InferenceService exists, even with no Ready pod (requests for it are held while
+it starts or wakes from zero). Two services serving one name: the oldest wins,
+so every gateway replica chooses the same one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator import builders
+from kvpilot.operator.engine_client import pod_url
+from kvpilot.operator.status import pod_ready
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One Ready engine pod."""
+
+    key: str  # NAMESPACE/POD
+    url: str  # http://POD_IP:PORT
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where requests naming ``model`` go."""
+
+    model: str
+    namespace: str
+    service: str  # the InferenceService's name
+    replicas: int  # its spec.replicas (0: scaled to zero)
+    backends: tuple[Backend, ...]  # Ready and not terminating, sorted by key
+    created: str  # metadata.creationTimestamp (RFC 3339)
+
+
+def served_name(service: dict[str, Any]) -> str:
+    """The model name clients send; the operator passes the same to `--served-model-name`."""
+    model = (service.get("spec") or {}).get("model") or {}
+    return model.get("servedName") or service["metadata"]["name"]
+
+
+def backends_of(namespace: str, service: str, pods: Iterable[dict[str, Any]]) -> tuple[Backend, ...]:
+    """The service's Ready engine pods that are not being deleted (a deleted pod drains: no new work)."""
+    found = []
+    for pod in pods:
+        meta = pod["metadata"]
+        if meta.get("namespace") != namespace or (meta.get("labels") or {}).get(builders.INSTANCE_LABEL) != service:
+            continue
+        ip = (pod.get("status") or {}).get("podIP")
+        if ip and not meta.get("deletionTimestamp") and pod_ready(pod):
+            found.append(Backend(f"{namespace}/{meta['name']}", pod_url(ip)))
+    return tuple(sorted(found, key=lambda b: b.key))
+
+
+def build_routes(services: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]]) -> dict[str, Route]:
+    """Served model name -> its route, for every InferenceService not being deleted."""
+    pods = list(pods)
+    routes: dict[str, Route] = {}
+    live = [s for s in services if not s["metadata"].get("deletionTimestamp")]
+    # Oldest first, then by namespace/name: the first service to claim a name keeps it.
+    live.sort(key=lambda s: (s["metadata"].get("creationTimestamp") or "", s["metadata"].get("namespace") or "",
+                             s["metadata"]["name"]))
+    for service in live:
+        meta = service["metadata"]
+        model = served_name(service)
+        if model in routes:
+            continue
+        namespace, name = meta["namespace"], meta["name"]
+        routes[model] = Route(
+            model=model,
+            namespace=namespace,
+            service=name,
+            replicas=int((service.get("spec") or {}).get("replicas", 1)),
+            backends=backends_of(namespace, name, pods),
+            created=meta.get("creationTimestamp") or "",
+        )
+    return routes
+
+
+def engine_pod_selector() -> str:
+    """Label selector of every engine pod the operator runs (all services)."""
+    labels = {builders.NAME_LABEL: builders.APP_NAME, builders.COMPONENT_LABEL: builders.COMPONENT,
+              builders.MANAGED_BY_LABEL: builders.MANAGED_BY}
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

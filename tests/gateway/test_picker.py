@@ -1,0 +1,107 @@
+"""The picking policy: prefix affinity that every replica computes alike, bounded by load."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+
+import pytest
+
+from kvpilot import gateway_contract as contract
+from kvpilot.gateway.picker import Candidate, PickPolicy, load_bound, pick, rendezvous_rank
+
+PODS = [f"ns/pod-{i}" for i in range(4)]
+
+
+def _hash(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def _idle(keys=PODS) -> list[Candidate]:
+    return [Candidate(k, 0.0) for k in keys]
+
+
+def test_no_candidates_no_pick():
+    assert pick([], _hash("p"), b"r") is None
+
+
+def test_a_prefix_always_goes_to_the_same_idle_pod_whatever_the_request():
+    chosen = {pick(_idle(), _hash("system prompt A"), _hash(f"request {i}")).key for i in range(50)}
+    assert len(chosen) == 1
+    assert pick(_idle(), _hash("system prompt A"), b"x").reason == contract.REASON_PREFIX_AFFINITY
+
+
+def test_the_choice_ignores_the_order_pods_are_listed_in():
+    affinity = _hash("shared few-shot block")
+    assert pick(_idle(), affinity, b"r").key == pick(list(reversed(_idle())), affinity, b"r").key
+
+
+def test_different_prefixes_spread_over_the_pods():
+    owners = Counter(pick(_idle(), _hash(f"prefix {i}"), b"r").key for i in range(400))
+    assert set(owners) == set(PODS)
+    assert min(owners.values()) > 400 / len(PODS) / 2  # no pod starved of prefixes
+
+
+def test_removing_a_pod_moves_only_the_prefixes_it_owned():
+    prefixes = [_hash(f"prefix {i}") for i in range(300)]
+    before = {p: pick(_idle(), p, b"r").key for p in prefixes}
+    after = {p: pick(_idle(PODS[:-1]), p, b"r").key for p in prefixes}
+    moved = [p for p in prefixes if before[p] != after[p]]
+    assert moved and all(before[p] == PODS[-1] for p in moved)
+
+
+def test_an_overloaded_owner_spills_to_the_next_pod_of_its_ranking():
+    affinity = _hash("popular system prompt")
+    owner, second = rendezvous_rank(affinity, PODS)[:2]
+    loads = {k: 1.0 for k in PODS}
+    loads[owner] = 10.0  # far over 1.25 x the mean
+    result = pick([Candidate(k, v) for k, v in loads.items()], affinity, b"r")
+    assert result.key == second and result.reason == contract.REASON_PREFIX_SPILL
+
+
+def test_the_owner_keeps_its_prefix_while_within_its_share():
+    affinity = _hash("popular system prompt")
+    owner = rendezvous_rank(affinity, PODS)[0]
+    loads = {k: 4.0 for k in PODS}
+    loads[owner] = 4.0  # mean 4, bound ceil(1.25 * 17 / 4) = 6: room for one more
+    assert pick([Candidate(k, v) for k, v in loads.items()], affinity, b"r").key == owner
+
+
+def test_a_stream_of_one_prefix_never_puts_more_than_the_bound_on_a_pod():
+    """Every request shares one prefix and none finishes: the owner fills to its bound, then spills."""
+    affinity = _hash("everyone's system prompt")
+    policy = PickPolicy(load_factor=1.25)
+    loads = dict.fromkeys(PODS, 0.0)
+    for i in range(200):
+        total = sum(loads.values())
+        chosen = pick([Candidate(k, v) for k, v in loads.items()], affinity, _hash(str(i)), policy).key
+        assert loads[chosen] + 1 <= load_bound(total, len(PODS), policy.load_factor)
+        loads[chosen] += 1
+    # No pod ends over 1.25 x the mean; the prefix's first pods are full, the last takes the rest.
+    assert max(loads.values()) <= math.ceil(1.25 * 200 / len(PODS))
+    assert loads[rendezvous_rank(affinity, PODS)[0]] == max(loads.values())
+
+
+def test_a_nearly_full_kv_cache_counts_as_over_its_share():
+    affinity = _hash("prompt")
+    owner, second = rendezvous_rank(affinity, PODS)[:2]
+    candidates = [Candidate(k, 0.0, 0.99 if k == owner else 0.1) for k in PODS]
+    assert pick(candidates, affinity, b"r").key == second
+
+
+def test_without_a_prefix_the_least_loaded_pod_wins():
+    candidates = [Candidate("ns/a", 3.0), Candidate("ns/b", 1.0), Candidate("ns/c", 2.0)]
+    result = pick(candidates, None, b"r")
+    assert result == type(result)("ns/b", contract.REASON_LEAST_LOADED)
+
+
+def test_least_loaded_ties_break_by_kv_usage_then_spread_by_request():
+    assert pick([Candidate("ns/a", 1.0, 0.9), Candidate("ns/b", 1.0, 0.2)], None, b"r").key == "ns/b"
+    chosen = Counter(pick(_idle(), None, _hash(f"request {i}")).key for i in range(200))
+    assert set(chosen) == set(PODS)
+
+
+def test_load_factor_below_one_is_refused():
+    with pytest.raises(ValueError, match="load_factor must be at least 1"):
+        PickPolicy(load_factor=0.9)
