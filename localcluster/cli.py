@@ -14,7 +14,8 @@ def register(subparsers) -> None:
         description=(
             "etcd, kube-apiserver, kube-controller-manager and kube-scheduler built from the "
             "Go module proxy, two fake GPU nodes (nvidia.com/gpu: 4 each) and a local kubelet "
-            "that runs pods as processes on their own 127.0.B.N. "
+            "that runs pods as processes on their own 127.0.B.N and forwards a container's hostPort "
+            "from 127.0.0.1 (how the host reaches the kvpilot gateway). "
             "Start with: kvpilot local-cluster up && export KUBECONFIG=$(kvpilot local-cluster kubeconfig)"
         ),
     )

@@ -4,8 +4,9 @@ Started by `kvpilot local-cluster up` as ``python -m kvpilot.localcluster.kubele
 It registers the nodes and keeps them Ready (Leases + status heartbeats),
 watches pods bound to them, runs one PodWorker thread per pod (see
 podworker.py), gives each pod its own loopback address 127.0.B.N as pod IP (B: the cluster's block),
-and serves container logs to the API server so `kubectl logs` works. On
-SIGTERM it stops every pod's processes before it exits.
+forwards 127.0.0.1:hostPort to the pods that ask for one (hostports.py), and
+serves container logs to the API server so `kubectl logs` works. On SIGTERM it
+stops every pod's processes before it exits.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from kvpilot.localcluster import processes
 from kvpilot.localcluster.api import KubeApi
+from kvpilot.localcluster.hostports import HostPorts
 from kvpilot.localcluster.logserver import serve_logs
 from kvpilot.localcluster.nodes import HEARTBEAT_S, NODE_NAMES, heartbeat, now_rfc3339, register_nodes
 from kvpilot.localcluster.podworker import PodWorker
@@ -66,6 +68,7 @@ class Kubelet:
         self.apiserver_port = record.ports["apiserver"]
         self.api = KubeApi(record.apiserver_url, state.pki)
         self.ips = PodIPs(record.pod_ip_block)
+        self.host_ports = HostPorts()
         self.workers: dict[str, PodWorker] = {}
         self.finished: set[str] = set()  # uids run to completion here: never start them again
         self._lock = threading.Lock()
@@ -100,6 +103,7 @@ class Kubelet:
                 self.finished.add(worker.uid)
         for run in worker.init_runs + worker.runs:
             self.untrack_pid(run.process)
+        self.host_ports.remove(worker.pod)
         self.ips.release(worker.pod_ip)
 
     def find_worker(self, namespace: str, name: str) -> PodWorker | None:
@@ -121,6 +125,9 @@ class Kubelet:
                 ip = HOST_IP if pod["spec"].get("hostNetwork") else self.ips.allocate()
                 worker = PodWorker(self, pod, ip)
                 self.workers[uid] = worker
+                if not pod["spec"].get("hostNetwork"):  # a hostNetwork pod listens on the host port itself
+                    for problem in self.host_ports.add(pod, ip):
+                        log.warning("pod %s/%s: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], problem)
                 worker.start()
                 return
         worker.update(pod)
@@ -185,6 +192,7 @@ class Kubelet:
             worker.shutdown()
         for worker in workers:
             worker.join(timeout=10.0)
+        self.host_ports.close()
 
 
 def main(argv: list[str] | None = None) -> None:
