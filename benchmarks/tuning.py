@@ -121,7 +121,8 @@ def engine_server(model: Path, port: int, max_num_seqs: int, max_seqs_ever: int,
         "--max-num-batched-tokens", str(max(max_num_batched_tokens or 2 * max_seqs_ever, max_seqs_ever)),
         # Sized for the largest setting, so KV space never decides the sweep.
         "--kv-cache-memory", f"{max(256, max_seqs_ever * 16)}MiB",
-        "--max-waiting-requests", "100000", "--admin-token", ADMIN_TOKEN, "--log-level", "warning",
+        "--max-waiting-requests", "100000", "--admin-token", ADMIN_TOKEN, "--admin-port", str(port + 1),
+        "--log-level", "warning",
     ]
     env = dict(os.environ)
     if threads:
@@ -133,8 +134,11 @@ def engine_server(model: Path, port: int, max_num_seqs: int, max_seqs_ever: int,
 
 
 async def set_max_num_seqs(session: aiohttp.ClientSession, url: str, value: int) -> None:
+    """Through the admin API, which `engine_server` puts on the port after the OpenAI API's."""
+    host, port = url.rsplit(":", 1)
+    admin = f"{host}:{int(port) + 1}/admin/v1/scheduler"
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    async with session.post(f"{url}/admin/v1/scheduler", json={"max_num_seqs": value}, headers=headers) as response:
+    async with session.post(admin, json={"max_num_seqs": value}, headers=headers) as response:
         if response.status != 200:
             raise RuntimeError(f"admin endpoint: HTTP {response.status}: {await response.text()}")
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 # --- HTTP ---------------------------------------------------------------------------
 
 ENGINE_PORT = 8000  # `kvpilot serve --port` default; the Service and the pods' containerPort
+# `kvpilot serve --admin-port` default: the admin API listens here only, a port the Service does not expose.
+ADMIN_PORT = 8001
 HEALTH_PATH = "/health"  # 200 while serving, 503 while draining or when the engine died
 METRICS_PATH = "/metrics"  # Prometheus text exposition, no auth
 # GET reads, POST changes the scheduler limits live; `Authorization: Bearer <admin token>`.
@@ -36,6 +38,7 @@ def flag_env(flag: str) -> str:
 
 
 ADMIN_TOKEN_ENV = flag_env("admin_token")  # turns the admin API on, with this bearer token
+API_KEY_ENV = flag_env("api_key")  # clients must send `Authorization: Bearer <key>` on /v1/*
 
 # `kvpilot serve --tuning-file`: a JSON/YAML mapping whose values override the flags at start,
 # so live-tuned values survive a restart. File key -> the flag it overrides.

@@ -4,7 +4,7 @@ No I/O here: ``kube.py`` applies what these return (adding owner references),
 and tests read the dicts directly. Children, all named after the service:
 
 - Deployment ``NAME``: engine pods running ``kvpilot serve``.
-- Service ``NAME``: port 8000 ``http``.
+- Service ``NAME``: port 8000 ``http``, the OpenAI API (never the engines' admin port).
 - ConfigMap ``NAME-tuning``: the tuning state the pods read at start.
 - PodDisruptionBudget ``NAME``: only when replicas > 1.
 - Secret ``NAME-admin``: the engines' admin token (created once, never rewritten).
@@ -17,12 +17,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.engine_contract import ADMIN_TOKEN_ENV, ENGINE_PORT, HEALTH_PATH
+from kvpilot.engine_contract import ADMIN_PORT, ADMIN_TOKEN_ENV, API_KEY_ENV, ENGINE_PORT, HEALTH_PATH
 from kvpilot.operator import tuning_configmap
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec
 
 PORT_NAME = "http"
+ADMIN_PORT_NAME = "admin"
 CONTAINER_NAME = "engine"
 TUNING_DIR = "/etc/kvpilot/tuning"
 TUNING_FILE = f"{TUNING_DIR}/{tuning_configmap.TUNING_FILE_KEY}"
@@ -183,6 +184,13 @@ def engine_args(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings
     return args + list(engine.extra_args)
 
 
+def _api_key_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    ref = spec.api_key_secret_ref
+    if ref is None:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
 def _number(value: float) -> str:
     return repr(float(value))
 
@@ -225,11 +233,17 @@ def engine_container(name: str, spec: InferenceServiceSpec, in_effect: EngineSet
         "image": image,
         "command": ["kvpilot"],
         "args": engine_args(name, spec, in_effect, mount.path, settings),
-        "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            # The operator's alone: the Service leaves it out, the chart's NetworkPolicy admits only the operator.
+            {"name": ADMIN_PORT_NAME, "containerPort": ADMIN_PORT, "protocol": "TCP"},
+        ],
         "env": [
             {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            # Secrets reach the engine as environment variables from Secrets: never in its arguments or the pod spec.
             {"name": ADMIN_TOKEN_ENV,
              "valueFrom": {"secretKeyRef": {"name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}},
+            *_api_key_env(spec),
             # The root filesystem is read-only: caches go to the scratch volume.
             {"name": "HOME", "value": f"{SCRATCH_DIR}/home"},
             {"name": "XDG_CACHE_HOME", "value": f"{SCRATCH_DIR}/cache"},

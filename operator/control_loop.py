@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from kvpilot import engine_contract as contract
 from kvpilot.operator import builders, operator_metrics, reconcile, status
-from kvpilot.operator.engine_client import EngineClient, pod_url
+from kvpilot.operator.engine_client import EngineClient, admin_url, pod_url
 from kvpilot.operator.engine_metrics import MetricsCollector
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.plan import Event, Memory, Plan, Reading, interval_seconds, plan
@@ -167,7 +167,8 @@ class ControlLoop:
             self.kube.apply(builders.build_tuning_configmap(name, namespace, spec, result.new_settings), owner=body)
         if result.push:
             token = builders.admin_token(self.kube.get("v1", "Secret", namespace, builders.admin_secret_name(name)))
-            targets = {pod: reading.ready[pod] for pod in result.push}
+            pod_ips = {p["metadata"]["name"]: (p.get("status") or {}).get("podIP") for p in reading.pods}
+            targets = {pod: admin_url(pod_ips[pod]) for pod in result.push}
             failed = self.engines.set_scheduler_limits(targets, result.live, token)
             seqs = result.live.max_num_seqs
             for pod in targets:

@@ -4,8 +4,9 @@ Two calls, both fanned out over a service's pods at once and both answering
 per pod, so one slow or dead pod never holds up or fails the others:
 
 - ``scrape``: each pod's Prometheus exposition (``GET /metrics``);
-- ``set_scheduler_limits``: the live settings (``POST /admin/v1/scheduler``,
-  bearer admin token), which the engine's scheduler applies from its next step.
+- ``set_scheduler_limits``: the live settings (``POST /admin/v1/scheduler`` on the
+  engine's admin port, bearer admin token), which the engine's scheduler applies
+  from its next step.
 
 Paths, port and keys come from the engine contract. The standard library is
 enough: a few pods per service, a few requests each interval.
@@ -27,8 +28,13 @@ T = TypeVar("T")
 
 
 def pod_url(pod_ip: str) -> str:
-    """The base URL of an engine pod."""
+    """The base URL of an engine pod's OpenAI API and /metrics."""
     return f"http://{pod_ip}:{contract.ENGINE_PORT}"
+
+
+def admin_url(pod_ip: str) -> str:
+    """The base URL of an engine pod's admin API: its own port, which the Service does not expose."""
+    return f"http://{pod_ip}:{contract.ADMIN_PORT}"
 
 
 class EngineClient:
@@ -49,7 +55,8 @@ class EngineClient:
 
     def set_scheduler_limits(self, engines: Mapping[str, str], settings: EngineSettings,
                              token: str | None) -> dict[str, str]:
-        """Sends the live settings to each engine; returns key → error for those that did not take them."""
+        """Sends the live settings to each engine (``engines`` maps a key to an ``admin_url``); returns
+        key → error for those that did not take them."""
         if token is None:
             return {key: "the admin token Secret is missing" for key in engines}
         body = {name: getattr(settings, name) for name in contract.LIVE_SETTINGS

@@ -444,6 +444,14 @@ class InferenceServiceSpec(SpecModel):
     )
     autoscaling: Autoscaling | None = Field(default=None, description="Scale replicas with load. Unset: fixed replicas.")
     tuning: Tuning | None = Field(default=None, description="Tune engine parameters live against an SLO. Unset: no tuning.")
+    api_key_secret_ref: SecretKeySelector | None = Field(
+        default=None,
+        description=(
+            "Secret holding the API key clients must send as `Authorization: Bearer <key>` on /v1/*. The engine "
+            "reads it from an environment variable filled from the Secret, never from its command line; pods "
+            "read it at start, so restart them (kubectl rollout restart) after changing the key. Unset: no key."
+        ),
+    )
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel=(

@@ -10,7 +10,9 @@ async_engine.py. Endpoints:
 - ``GET /metrics``: Prometheus text exposition (see docs/metrics.md).
 - ``GET /admin/v1/scheduler``, ``POST /admin/v1/scheduler``: read / change
   ``max_num_seqs`` and ``max_num_batched_tokens`` live, with
-  ``Authorization: Bearer <admin token>``; 404 when no admin token is configured.
+  ``Authorization: Bearer <admin token>``; only on the admin port (``--admin-port``),
+  which answers nothing else, and only with an admin token configured. The API port
+  answers 404 for them, so exposing it (the Service does) never exposes the admin API.
 """
 
 from __future__ import annotations
@@ -40,13 +42,18 @@ from kvpilot.engine_contract import ADMIN_SCHEDULER_PATH, HEALTH_PATH, METRICS_P
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # far above any prompt a context window holds, as text or token ids
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     served_model_name: str
     api_key: str | None = None
     admin_token: str | None = None
+    admin_port: int | None = None  # the local port whose requests are the admin API's; None: admin API off
     max_waiting_requests: int | None = None
     shutdown_grace_period: float = 30.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 class ApiError(Exception):
@@ -117,6 +124,14 @@ def _model_info(engine: Any) -> dict[str, str]:
     }
 
 
+ADMIN_PATH_PREFIX = "/admin/"
+
+
+def _local_port(request: Request) -> int | None:
+    server = request.scope.get("server")
+    return server[1] if server else None
+
+
 def _bearer_token(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -129,6 +144,44 @@ def _check_token(request: Request, expected: str, what: str) -> None:
         raise ApiError(error(401, f"Missing {what}: send the header `Authorization: Bearer <{what}>`."))
     if not hmac.compare_digest(token.encode(), expected.encode()):
         raise ApiError(error(401, f"Invalid {what}.", code="invalid_api_key"))
+
+
+class RequestBodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets an OpenAI-shaped 413, refused before a
+    byte is read when Content-Length announces it, or once the count passes the limit when it arrives
+    chunked. (FastAPI's own max_body_size answers a plain-text 413 whenever Content-Length is too large,
+    whatever the app's exception handlers say.)"""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        announced = dict(scope["headers"]).get(b"content-length", b"")
+        if announced.isdigit() and int(announced) > self.limit:
+            await _render(body_too_large(self.limit))(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    # FastAPI passes an HTTPException raised while it reads the body on to the handlers.
+                    raise StarletteHTTPException(413)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+def body_too_large(limit: int) -> ErrorResult:
+    return error(413, f"The request body is larger than this server's limit of {limit} bytes "
+                      "(--max-request-bytes): send a shorter prompt or fewer prompts per request.")
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -157,6 +210,9 @@ def _validation_param(loc: tuple[Any, ...], message: str) -> str | None:
     return param_from_message(message, _REQUEST_FIELDS)
 
 
+# What a whole body that is not a JSON object of fields fails with (a model validator's errors sit there too).
+_NOT_AN_OBJECT = ("missing", "model_type", "model_attributes_type", "dict_type")
+
 _REQUEST_FIELDS = tuple(
     sorted(
         set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields)
@@ -180,6 +236,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="kvpilot", lifespan=lifespan)
     app.state.kvpilot = state
+    app.add_middleware(RequestBodyLimit, limit=settings.max_request_bytes)
 
     @app.middleware("http")
     async def close_connections_while_draining(request: Request, call_next):
@@ -191,9 +248,28 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             response.headers["Connection"] = "close"
         return response
 
-    def require_api_key(request: Request) -> None:
-        if settings.api_key is not None:
-            _check_token(request, settings.api_key, "API key")
+    @app.middleware("http")
+    async def api_key_before_the_body(request: Request, call_next):
+        # Checked before the body is read: a client without the key costs no JSON parsing and
+        # learns nothing about what the API would accept.
+        if settings.api_key is not None and request.url.path.startswith("/v1/"):
+            try:
+                _check_token(request, settings.api_key, "API key")
+            except ApiError as exc:
+                return await api_error(request, exc)
+        return await call_next(request)
+
+    @app.middleware("http")
+    async def admin_api_on_its_own_port(request: Request, call_next):
+        on_admin_port = settings.admin_port is not None and _local_port(request) == settings.admin_port
+        if request.url.path.startswith(ADMIN_PATH_PREFIX) != on_admin_port:
+            if on_admin_port:
+                result = error(404, "Not found: this port serves only the admin API (/admin/v1/...).")
+            else:
+                result = error(404, "Not found: the admin API listens on its own port (--admin-port), "
+                                    "and only when the server has an --admin-token.")
+            return _render(result)
+        return await call_next(request)
 
     def require_admin(request: Request) -> None:
         if settings.admin_token is None:
@@ -223,6 +299,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         param = _validation_param(tuple(first.get("loc", ())), message)
         if first.get("type") == "json_invalid":
             message, param = "The request body is not valid JSON.", None
+        elif tuple(first.get("loc", ())) == ("body",) and first.get("type") in _NOT_AN_OBJECT:
+            message, param = ("The request body must be a JSON object of the request's fields, sent with "
+                              "`Content-Type: application/json`."), None
         elif first.get("type") == "missing":
             message = f"{param}: this field is required"
         elif param and not message.startswith(param.split("[")[0].split(".")[0] + ":"):
@@ -232,6 +311,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 413:
+            return _render(body_too_large(settings.max_request_bytes))
         result = error(exc.status_code, str(exc.detail))
         return JSONResponse(result.body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
@@ -243,21 +324,18 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
-        require_api_key(request)
         if (refusal := refuse_if_unavailable()) is not None:
             return _render(refusal)
         return _render(await state.serving.create_completion(body, lambda: _until_disconnected(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
-        require_api_key(request)
         if (refusal := refuse_if_unavailable()) is not None:
             return _render(refusal)
         return _render(await state.serving.create_chat_completion(body, lambda: _until_disconnected(request)))
 
     @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        require_api_key(request)
+    async def models() -> Response:
         return _render(state.serving.list_models())
 
     @app.get(HEALTH_PATH)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.engine_contract import ENGINE_PORT, ENV_PREFIX, flag_env
+from kvpilot.engine_contract import ADMIN_PORT, ENGINE_PORT, ENV_PREFIX, flag_env
 
 
 class ArgsError(ValueError):
@@ -103,8 +103,14 @@ SERVE_FLAGS = (
     Flag("seed", "engine random seed (default 0)", type=int),
     Flag("max_waiting_requests", "requests that may wait for a batch slot; beyond it 429 + Retry-After",
          type=positive_int, default=1024),
-    Flag("api_key", "require `Authorization: Bearer <key>` on /v1/*", metavar="KEY"),
-    Flag("admin_token", "enable /admin/v1/scheduler, guarded by `Authorization: Bearer <token>`", metavar="TOKEN"),
+    Flag("max_request_bytes", "largest request body accepted; beyond it 413 (default 32MiB)", type=parse_size,
+         default=32 << 20, metavar="SIZE"),
+    Flag("api_key", "require `Authorization: Bearer <key>` on /v1/* (prefer the env variable: a flag's value "
+         "shows in the process list)", metavar="KEY"),
+    Flag("admin_token", "enable /admin/v1/scheduler on --admin-port, guarded by `Authorization: Bearer <token>`",
+         metavar="TOKEN"),
+    Flag("admin_port", "port of the admin API, its only listener (the OpenAI port answers 404 for it)",
+         type=positive_int, default=ADMIN_PORT),
     Flag("shutdown_grace_period", "seconds SIGTERM waits for in-flight requests before aborting them",
          type=non_negative_float, default=30.0, metavar="SECONDS"),
     Flag("tuning_file", "JSON/YAML file with persisted live-tuned values {maxNumSeqs, maxNumBatchedTokens, "

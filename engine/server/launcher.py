@@ -66,6 +66,10 @@ def run_server(args: argparse.Namespace) -> int:
     except ArgsError as exc:
         print(f"kvpilot serve: error: {exc}", file=sys.stderr)
         return 2
+    if args.admin_token and args.admin_port == args.port:
+        print(f"kvpilot serve: error: --admin-port {args.admin_port} is --port: give the admin API a port of its "
+              "own (the OpenAI port is the one clients and the Service reach)", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
@@ -106,14 +110,17 @@ def run_server(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         admin_token=args.admin_token,
+        admin_port=args.admin_port if args.admin_token else None,
         max_waiting_requests=args.max_waiting_requests,
         shutdown_grace_period=args.shutdown_grace_period,
+        max_request_bytes=args.max_request_bytes,
     )
     app = build_app(engine, settings)
     logger.info(
         "listening on http://%s:%d (API key %s, admin API %s, waiting queue %d, shutdown grace %.0fs)",
         args.host, args.port, "required" if args.api_key else "off",
-        "on" if args.admin_token else "off", args.max_waiting_requests, args.shutdown_grace_period,
+        f"on port {args.admin_port}" if args.admin_token else "off", args.max_waiting_requests,
+        args.shutdown_grace_period,
     )  # fmt: skip
     uvicorn_config = uvicorn.Config(
         app,
@@ -124,8 +131,12 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
+    # One server, one drain: the admin API is a second listening socket of the same server.
+    sockets = [uvicorn_config.bind_socket()]
+    if args.admin_token:
+        sockets.append(uvicorn.Config(app, host=args.host, port=args.admin_port).bind_socket())
     server = DrainingServer(uvicorn_config, app.state.kvpilot)
-    server.run()
+    server.run(sockets=sockets)
     return 0 if server.started else 1
 
 

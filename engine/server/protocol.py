@@ -14,10 +14,13 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 MAX_LOGPROBS = 20
+# top_k past any vocabulary means "off"; the bound keeps it a 32-bit integer for the sampler's tensors.
+MAX_TOP_K = (1 << 31) - 1
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and Infinity parse as JSON numbers in Python; no sampling field means anything by them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # ---- errors -----------------------------------------------------------------
@@ -57,7 +60,7 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: bool = False

@@ -52,6 +52,7 @@ def error(
         401: "authentication_error",
         403: "permission_error",
         404: "not_found_error",
+        413: "invalid_request_error",
         429: "rate_limit_error",
         503: "service_unavailable",
     }.get(status, "server_error")

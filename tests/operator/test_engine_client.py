@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvpilot import engine_contract as contract
-from kvpilot.operator.engine_client import EngineClient, pod_url
+from kvpilot.operator.engine_client import EngineClient, admin_url, pod_url
 from kvpilot.operator.engine_metrics import MetricsCollector, parse_snapshot
 from kvpilot.operator.spec import EngineSettings
 
@@ -26,9 +26,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _listening_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    """The app `kvpilot serve` runs, on 127.0.0.1, admin API on; yields (base URL, the LLMEngine)."""
+    """The app `kvpilot serve` runs, on 127.0.0.1, admin API on its own port; yields (base URL, admin base URL,
+    the LLMEngine)."""
     import uvicorn
 
     from kvpilot.engine.config import EngineConfig
@@ -37,29 +44,30 @@ def engine(tiny_model_dir):
 
     llm_engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=256,
                                                     max_num_seqs=4))
-    app = build_app(llm_engine, ServerSettings(served_model_name="tiny", admin_token=TOKEN))
-    port = _free_port()
-    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
-                            app.state.kvpilot)
-    thread = threading.Thread(target=server.run, daemon=True)
+    sockets = [_listening_socket(), _listening_socket()]
+    port, admin_port = (sock.getsockname()[1] for sock in sockets)
+    app = build_app(llm_engine, ServerSettings(served_model_name="tiny", admin_token=TOKEN, admin_port=admin_port))
+    server = DrainingServer(uvicorn.Config(app, log_level="warning"), app.state.kvpilot)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the engine's server did not start"
         time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", llm_engine
+    yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", llm_engine
     server.should_exit = True
     thread.join(timeout=30)
 
 
-def test_pod_urls_use_the_engine_port():
+def test_pod_urls_use_the_engine_port_and_the_admin_port():
     assert pod_url("10.1.2.3") == f"http://10.1.2.3:{contract.ENGINE_PORT}"
+    assert admin_url("10.1.2.3") == f"http://10.1.2.3:{contract.ADMIN_PORT}"
 
 
 def test_new_settings_reach_the_engines_scheduler(engine):
-    url, llm_engine = engine
+    url, admin, llm_engine = engine
     client = EngineClient(timeout_seconds=5.0)
-    failed = client.set_scheduler_limits({"pod-a": url}, EngineSettings(max_num_seqs=3, max_num_batched_tokens=96),
+    failed = client.set_scheduler_limits({"pod-a": admin}, EngineSettings(max_num_seqs=3, max_num_batched_tokens=96),
                                          TOKEN)
     assert failed == {}
     stats = llm_engine.stats()
@@ -70,21 +78,22 @@ def test_new_settings_reach_the_engines_scheduler(engine):
 
 
 def test_an_unset_token_budget_is_left_to_the_engine(engine):
-    url, llm_engine = engine
+    _, admin, llm_engine = engine
     before = llm_engine.stats().max_num_batched_tokens
-    assert EngineClient().set_scheduler_limits({"pod-a": url}, EngineSettings(max_num_seqs=2), TOKEN) == {}
+    assert EngineClient().set_scheduler_limits({"pod-a": admin}, EngineSettings(max_num_seqs=2), TOKEN) == {}
     assert (llm_engine.stats().max_num_seqs, llm_engine.stats().max_num_batched_tokens) == (2, before)
 
 
 def test_failures_are_per_engine_and_say_why(engine):
-    url, llm_engine = engine
+    url, admin, llm_engine = engine
     dead = f"http://127.0.0.1:{_free_port()}"
     client = EngineClient(timeout_seconds=2.0)
     before = llm_engine.stats().max_num_seqs
     settings = EngineSettings(max_num_seqs=before + 1)
-    failed = client.set_scheduler_limits({"live": url, "dead": dead}, settings, "wrong-token")
+    failed = client.set_scheduler_limits({"live": admin, "dead": dead, "api-port": url}, settings, "wrong-token")
     assert failed["live"].startswith("HTTP 401") and "ConnectionRefusedError" in failed["dead"]
-    assert client.set_scheduler_limits({"live": url}, settings, None) == {"live": "the admin token Secret is missing"}
+    assert failed["api-port"].startswith("HTTP 404")  # the OpenAI port has no admin API
+    assert client.set_scheduler_limits({"live": admin}, settings, None) == {"live": "the admin token Secret is missing"}
     assert llm_engine.stats().max_num_seqs == before
 
     scraped = client.scrape({"live": url, "dead": dead})

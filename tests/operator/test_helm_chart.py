@@ -188,3 +188,30 @@ def test_bad_scope_fails_with_a_message():
     result = subprocess.run([_helm(), "template", "kv", str(CHART), *KUBE_VERSION, "--set", "rbac.scope=everything"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "rbac.scope must be cluster or namespaced" in result.stderr
+
+
+def test_network_policy_is_off_by_default_and_keeps_the_admin_port_to_the_operator():
+    assert not [d for d in _render() if d["kind"] == "NetworkPolicy"]
+    docs = _render("--set", "networkPolicy.enabled=true", "--set", "rbac.scope=namespaced",
+                   "--set", "rbac.watchNamespaces={ml,research}")
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["ml", "research"]
+    policy = policies[0]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kvpilot",
+                                                    "app.kubernetes.io/component": "engine"}
+    api, admin = policy["ingress"]
+    assert api == {"ports": [{"port": "http", "protocol": "TCP"}]}  # no apiFrom: open to all
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvpilot-system"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvpilot", "app.kubernetes.io/instance": "kv",
+                                                "app.kubernetes.io/component": "operator"}}}
+    assert admin == {"ports": [{"port": "admin", "protocol": "TCP"}], "from": [operator]}
+
+
+def test_network_policy_api_peers_keep_the_operator_able_to_scrape():
+    docs = _render("--set", "networkPolicy.enabled=true", "--set", "networkPolicy.namespaces={ml}",
+                   "--set-json", 'networkPolicy.apiFrom=[{"podSelector":{"matchLabels":{"app":"gateway"}}}]')
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert policy["metadata"]["namespace"] == "ml"
+    api_peers = policy["spec"]["ingress"][0]["from"]
+    assert api_peers[0] == {"podSelector": {"matchLabels": {"app": "gateway"}}}
+    assert api_peers[1]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"

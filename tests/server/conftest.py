@@ -18,6 +18,7 @@ class LiveServer:
     app: Any
     server: Any
     thread: threading.Thread
+    admin_url: str | None = None  # the admin API's own listener, when the server has an admin token
 
     @property
     def state(self) -> Any:
@@ -42,8 +43,16 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
+def _listening_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
 def start_server(model_dir: Path, **settings: Any) -> LiveServer:
-    """Loads an engine on ``model_dir`` and serves it from a uvicorn thread on a free 127.0.0.1 port."""
+    """Loads an engine on ``model_dir`` and serves it from a uvicorn thread on a free 127.0.0.1 port
+    (and the admin API on a second one when ``admin_token`` is given), as `kvpilot serve` does."""
     import uvicorn
 
     from kvpilot.engine.config import EngineConfig
@@ -51,24 +60,26 @@ def start_server(model_dir: Path, **settings: Any) -> LiveServer:
     from kvpilot.engine.server.api_server import DrainingServer, ServerSettings, build_app
 
     engine_kwargs = settings.pop("engine", {})
-    config = EngineConfig(model=str(model_dir), device="cpu", max_model_len=512, **engine_kwargs)
+    config = EngineConfig(model=str(model_dir), device="cpu", **{"max_model_len": 512, **engine_kwargs})
     engine = LLMEngine.from_config(config)
     settings.setdefault("served_model_name", "tiny")
+    sockets = [_listening_socket()]
+    if settings.get("admin_token"):
+        sockets.append(_listening_socket())
+        settings["admin_port"] = sockets[1].getsockname()[1]
     app = build_app(engine, ServerSettings(**settings))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
+    port = sockets[0].getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, lifespan="on")
     server = DrainingServer(config, app.state.kvpilot)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
-    return LiveServer(f"http://127.0.0.1:{port}", app, server, thread)
+    admin_url = f"http://127.0.0.1:{settings['admin_port']}" if len(sockets) > 1 else None
+    return LiveServer(f"http://127.0.0.1:{port}", app, server, thread, admin_url)
 
 
 @pytest.fixture(scope="module")

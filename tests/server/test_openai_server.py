@@ -346,18 +346,29 @@ def test_non_streaming_disconnect_aborts(live):
     assert stats.generation_tokens_total - before < 480
 
 
+def test_admin_api_answers_only_on_its_own_port(live, http):
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    on_api_port = http.get("/admin/v1/scheduler", headers=admin)
+    assert on_api_port.status_code == 404 and "--admin-port" in on_api_port.json()["error"]["message"]
+    assert http.post("/admin/v1/scheduler", json={"max_num_seqs": 2}, headers=admin).status_code == 404
+    for path in ("/v1/models", "/metrics", "/health"):
+        assert httpx.get(f"{live.admin_url}{path}", headers=http.headers).status_code == 404, path
+
+
 def test_admin_changes_limits_live(live, http):
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    assert http.get("/admin/v1/scheduler", headers=admin).json() == {
+    admin_http = httpx.Client(base_url=live.admin_url, timeout=60)
+    assert admin_http.get("/admin/v1/scheduler", headers=admin).json() == {
         "max_num_seqs": 8, "max_num_batched_tokens": live.engine.resolved.max_num_batched_tokens,
     }  # fmt: skip
-    assert http.post("/admin/v1/scheduler", json={"max_num_seqs": 2}, headers={"Authorization": "Bearer no"}
-                     ).status_code == 401  # fmt: skip
-    assert http.post("/admin/v1/scheduler", json={"max_num_seqs": 2}).status_code == 401  # the API key is not it
-    response = http.post("/admin/v1/scheduler", json={"max_num_seqs": 0}, headers=admin)
+    assert admin_http.post("/admin/v1/scheduler", json={"max_num_seqs": 2}, headers={"Authorization": "Bearer no"}
+                           ).status_code == 401  # fmt: skip
+    # The API key is not the admin token.
+    assert admin_http.post("/admin/v1/scheduler", json={"max_num_seqs": 2}, headers=http.headers).status_code == 401
+    response = admin_http.post("/admin/v1/scheduler", json={"max_num_seqs": 0}, headers=admin)
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_num_seqs"
     try:
-        response = http.post("/admin/v1/scheduler", json={"max_num_seqs": 1}, headers=admin)
+        response = admin_http.post("/admin/v1/scheduler", json={"max_num_seqs": 1}, headers=admin)
         assert response.json()["max_num_seqs"] == 1
         assert metric_values(http.get("/metrics").text)[names.MAX_NUM_SEQS] == 1
         # The scheduler follows: three concurrent requests never run more than one at a time.
@@ -377,5 +388,6 @@ def test_admin_changes_limits_live(live, http):
             assert all(f.result().status_code == 200 for f in futures)
         assert peak_running == 1 and peak_waiting >= 1
     finally:
-        http.post("/admin/v1/scheduler", json={"max_num_seqs": 8}, headers=admin)
+        admin_http.post("/admin/v1/scheduler", json={"max_num_seqs": 8}, headers=admin)
+        admin_http.close()
     assert metric_values(http.get("/metrics").text)[names.MAX_NUM_SEQS] == 8

@@ -34,31 +34,41 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float = 1
     raise AssertionError(f"kvpilot serve not healthy after {timeout}s:\n{log_path.read_text()}")
 
 
+API_KEY = "client-key-9f2c41d7e0b3a6c85d17"
+ADMIN_TOKEN = "admin-token-4b8e2a91c6f05d3e7a2b"
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_path):
-    port = _free_port()
+    port, admin_port = _free_port(), _free_port()
     url = f"http://127.0.0.1:{port}"
     tuning = tmp_path / "tuning.json"
     tuning.write_text(json.dumps({"maxNumSeqs": 3}))
     log_path = tmp_path / "serve.log"
-    env = {**os.environ, "KVPILOT_ADMIN_TOKEN": "tok", "KVPILOT_MAX_MODEL_LEN": "512", "KVPILOT_DEVICE": "cpu"}
+    # The secrets come from the environment, as the operator's pods pass them (from Secrets).
+    env = {**os.environ, "KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "KVPILOT_API_KEY": API_KEY,
+           "KVPILOT_MAX_MODEL_LEN": "512", "KVPILOT_DEVICE": "cpu"}
     command = [
         sys.executable, "-m", "kvpilot", "serve", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", "tiny", "--max-num-seqs", "8", "--shutdown-grace-period", "60",
-        "--tuning-file", str(tuning),
+        "--admin-port", str(admin_port), "--served-model-name", "tiny", "--max-num-seqs", "8",
+        "--shutdown-grace-period", "60", "--tuning-file", str(tuning), "--log-level", "debug",
     ]  # fmt: skip
     with log_path.open("w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    key = {"Authorization": f"Bearer {API_KEY}"}
     try:
         _wait_healthy(url, proc, log_path)
-        admin = {"Authorization": "Bearer tok"}
-        assert httpx.get(f"{url}/admin/v1/scheduler", headers=admin).json()["max_num_seqs"] == 3  # the file won
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        scheduler = httpx.get(f"http://127.0.0.1:{admin_port}/admin/v1/scheduler", headers=admin)
+        assert scheduler.json()["max_num_seqs"] == 3  # the file won
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
         events: list[str] = []
         first_chunk = threading.Event()
 
         def stream() -> None:
             body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=key, timeout=120) as response:
                 for line in response.iter_lines():
                     if line.startswith("data:"):
                         events.append(line)
@@ -75,7 +85,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_path):
             assert time.monotonic() < deadline, "readiness did not fail after SIGTERM"
             time.sleep(0.05)
         assert httpx.get(f"{url}/health").json() == {"status": "draining"}
-        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=key)
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         # No keep-alive to a server about to exit: a request sent on it later would be reset.
         assert refused.headers["Connection"] == "close"
@@ -91,5 +101,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_path):
             proc.kill()
             proc.wait()
     logs = log_path.read_text()
-    for expected in ("KV cache:", "listening on http://127.0.0.1", "overrides the flags", "draining", "drained"):
+    for expected in ("KV cache:", "listening on http://127.0.0.1", f"admin API on port {admin_port}",
+                     "overrides the flags", "draining", "drained"):
         assert expected in logs, f"{expected!r} missing from the start-up/shutdown logs:\n{logs}"
+    # Debug logs of a run with good and bad keys sent hold neither secret.
+    assert API_KEY not in logs and ADMIN_TOKEN not in logs
