@@ -1,4 +1,4 @@
-"""The engine's subcommands of ``kvpilot``: ``make-model``, ``fetch-model`` and ``serve``.
+"""The engine's subcommands of ``kvpilot``: ``make-model``, ``fetch-model``, ``quantize`` and ``serve``.
 
 Only argparse is imported here; torch and the engine load inside the handlers.
 """
@@ -9,8 +9,11 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from kvpilot.engine.quantization.cli import register_quantize
+
     _register_make_model(subparsers)
     _register_fetch_model(subparsers)
+    register_quantize(subparsers)  # owned by engine/quantization/
     _register_serve(subparsers)
 
 

@@ -4,6 +4,10 @@ The file stays memory-mapped; each tensor is dequantized to float32 (the gguf pa
 dequantizers), put back in Hugging Face row order where llama.cpp reordered it, and copied into
 its slice of the model's fused parameters in the model's dtype. So at most one tensor exists
 twice at a time, never the whole model.
+
+With ``keep_packed``, matrices stored as Q4_0, Q4_1 or Q8_0 are not dequantized: their blocks
+become PackedWeights (engine/quantization/gguf_packed.py) and the model multiplies with them
+directly; matrices of other types are dequantized as above.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from kvpilot.engine.models.errors import ModelLoadError
 from kvpilot.engine.models.gguf_config import ROPE_INTERLEAVED_ARCHITECTURES, gguf_model_arch
 from kvpilot.engine.models.gguf_file import SUPPORTED_TENSOR_TYPES, GGUFFile, import_gguf
 from kvpilot.engine.models.llama import CausalLM, rope_inv_freq
-from kvpilot.engine.models.weight_targets import weight_targets
+from kvpilot.engine.models.weight_targets import linear_slots, weight_targets
+from kvpilot.engine.quantization.assembly import LinearAssembler
+from kvpilot.engine.quantization.gguf_packed import gguf_to_packed, is_packable
 
 # GGUF tensor names (llama.cpp's) -> Hugging Face names, which weight_targets maps to our parameters.
 _GLOBAL_NAMES = {
@@ -43,12 +49,16 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
-def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+def load_gguf_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str, keep_packed: bool = False
+) -> CausalLM:
     """Build the model the GGUF file describes and fill it from the file's tensors."""
     gguf_file = GGUFFile(path)
     arch = gguf_model_arch(gguf_file)
-    model = CausalLM(arch, dtype, torch.device(device))
+    device = torch.device(device)
+    model = CausalLM(arch, dtype, device, quantized=keep_packed)
     targets = weight_targets(model)
+    assembler = LinearAssembler(linear_slots(model), dtype, device, str(gguf_file.path)) if keep_packed else None
     unpermute = arch.model_type in ROPE_INTERLEAVED_ARCHITECTURES
     filled: set[str] = set()
     for name, tensor in gguf_file.tensors.items():
@@ -56,6 +66,10 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device |
             _apply_rope_freqs(model, gguf_file, tensor)
             continue
         hf_name = hf_tensor_name(name)
+        module = hf_name.removesuffix(".weight") if hf_name is not None else None
+        if assembler is not None and module in assembler.slots:
+            assembler.add(module, _matrix(gguf_file, tensor, hf_name, arch, unpermute))
+            continue
         target = targets.get(hf_name) if hf_name is not None else None
         if target is None:
             raise ModelLoadError(
@@ -79,13 +93,33 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device |
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             destination.copy_(torch.from_numpy(values))
         filled.add(hf_name)
-    missing = sorted(set(targets) - filled)
+    missing = sorted(set(targets) - filled) + ([] if assembler is None else assembler.missing())
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(
             f"{gguf_file.path}: the file lacks tensors the model needs (Hugging Face names): {shown}"
         )
+    if assembler is not None:
+        assembler.log_summary()
     return model.eval()
+
+
+def _matrix(gguf_file: GGUFFile, tensor, hf_name: str, arch, unpermute: bool):  # noqa: ANN001, ANN202
+    """A matrix tensor as a PackedWeight when its type stays packed, else dequantized (float32 torch),
+    with q/k rows put back in Hugging Face order either way."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # [rows, cols]: GGML lists the innermost first
+    heads = {"q_proj.weight": arch.num_heads, "k_proj.weight": arch.num_kv_heads}
+    num_heads = next((n for suffix, n in heads.items() if hf_name.endswith(suffix)), None) if unpermute else None
+    if is_packable(tensor.tensor_type.name, shape):
+        packed = gguf_to_packed(tensor.tensor_type.name, tensor.data, shape)
+        if num_heads is None:
+            return packed
+        order = undo_rope_row_permutation(np.arange(shape[0]), num_heads)
+        return packed.rows(torch.from_numpy(order))
+    values = dequantize(gguf_file, tensor)
+    if num_heads is not None:
+        values = undo_rope_row_permutation(values, num_heads)
+    return torch.from_numpy(np.array(values, dtype=np.float32))  # owned: F32 tensors are read-only map views
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from kvpilot.engine.attention import AttentionBackend, AttentionMetadata
 from kvpilot.engine.models.config import ModelArch, RopeScaling
+from kvpilot.engine.quantization.linear import QuantizedLinear
 from kvpilot.kernels import cpu_fused_ops
 
 
@@ -26,8 +27,14 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or oneDNN's kernel for a weight that CausalLM.pack_weights_for_cpu prepacked."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear, oneDNN's kernel for a weight that CausalLM.pack_weights_for_cpu prepacked, or the
+    quantized matmul for a weight kept packed."""
+    if isinstance(weight, QuantizedLinear):
+        out = weight(x)
+        return out if bias is None else out.add_(bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -77,22 +84,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, quantized: bool = False) -> None:
         super().__init__()
         self.arch = arch
         hidden, head_dim = arch.hidden_size, arch.head_dim
         self.q_size = arch.num_heads * head_dim
         self.kv_size = arch.num_kv_heads * head_dim
         kw = {"dtype": dtype, "device": device}
+
+        def matrix(rows: int, columns: int) -> nn.Parameter | None:
+            # Quantized: left empty for the loader, which installs a QuantizedLinear (or a dense weight).
+            return None if quantized else _empty(rows, columns, **kw)
+
         self.input_layernorm = _empty(hidden, **kw)
-        self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, hidden, **kw)
+        self.qkv_proj = matrix(self.q_size + 2 * self.kv_size, hidden)
         self.qkv_bias = _empty(self.q_size + 2 * self.kv_size, **kw) if arch.qkv_bias else None
-        self.o_proj = _empty(hidden, self.q_size, **kw)
+        self.o_proj = matrix(hidden, self.q_size)
         self.o_bias = _empty(hidden, **kw) if arch.o_proj_bias else None
         self.post_attention_layernorm = _empty(hidden, **kw)
-        self.gate_up_proj = _empty(2 * arch.intermediate_size, hidden, **kw)
+        self.gate_up_proj = matrix(2 * arch.intermediate_size, hidden)
         self.gate_up_bias = _empty(2 * arch.intermediate_size, **kw) if arch.mlp_bias else None
-        self.down_proj = _empty(hidden, arch.intermediate_size, **kw)
+        self.down_proj = matrix(hidden, arch.intermediate_size)
         self.down_bias = _empty(hidden, **kw) if arch.mlp_bias else None
 
     def forward(
@@ -123,16 +135,21 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head of a Llama-family model."""
+    """Embeddings, decoder layers, final norm and LM head of a Llama-family model.
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+    ``quantized``: the embedding, the LM head and the layers' matrices start empty (None), and the
+    loader installs each as a QuantizedLinear or a dense weight (weight_targets.linear_slots)."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, quantized: bool = False) -> None:
         super().__init__()
         self.arch = arch
         kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = _empty(arch.vocab_size, arch.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device) for _ in range(arch.num_layers))
+        table = None if quantized else _empty(arch.vocab_size, arch.hidden_size, **kw)
+        self.embed_tokens: nn.Parameter | QuantizedLinear | None = table
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, quantized) for _ in range(arch.num_layers))
         self.norm = _empty(arch.hidden_size, **kw)
-        self.lm_head = None if arch.tie_word_embeddings else _empty(arch.vocab_size, arch.hidden_size, **kw)
+        untied_head = None if quantized else _empty(arch.vocab_size, arch.hidden_size, **kw)
+        self.lm_head = None if arch.tie_word_embeddings else untied_head
         # Angles are computed per step from the positions (as transformers does) rather than cached
         # for max_position_embeddings, which is 128k positions for Llama 3.
         inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
@@ -140,7 +157,7 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
+        return self.norm.dtype
 
     def forward(
         self,
@@ -150,7 +167,10 @@ class CausalLM(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        if isinstance(self.embed_tokens, QuantizedLinear):
+            hidden = self.embed_tokens.embedding(input_ids)  # [num_tokens, hidden_size]
+        else:
+            hidden = F.embedding(input_ids, self.embed_tokens)
         angles = positions.float()[:, None] * self.rope_inv_freq[None, :]  # [num_tokens, head_dim // 2]
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [num_tokens, 1, head_dim]
         cos = angles.cos().to(hidden.dtype)
@@ -173,7 +193,7 @@ class CausalLM(nn.Module):
         otherwise re-pack the weight on every call). Returns False, changing nothing, for other
         dtypes and devices or a torch built without oneDNN.
         """
-        if self.embed_tokens.device.type != "cpu" or self.dtype != torch.bfloat16:
+        if self.norm.device.type != "cpu" or self.dtype != torch.bfloat16:
             return False
         if not torch.backends.mkldnn.is_available():
             return False
@@ -183,11 +203,16 @@ class CausalLM(nn.Module):
 
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                if isinstance(getattr(layer, name), QuantizedLinear):
+                    continue  # multiplied by the quantized kernel, not oneDNN
                 packed = pack(getattr(layer, name))
                 delattr(layer, name)  # a Parameter slot cannot hold an opaque oneDNN tensor
                 setattr(layer, name, packed)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, QuantizedLinear):
+            return True
         # A tied LM head gets its own packed copy: the embedding lookup needs the plain table.
-        head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
+        head = pack(head)
         if self.lm_head is not None:
             delattr(self, "lm_head")
         self.lm_head = head

@@ -1,5 +1,9 @@
 """Load a model into CausalLM: a Hugging Face folder (config.json + safetensors, sharded or not)
-or a single GGUF file (engine/models/gguf_weights.py), told apart by the path."""
+or a single GGUF file (engine/models/gguf_weights.py), told apart by the path.
+
+An AWQ folder (config.json's quantization_config) loads with its linear layers kept 4-bit
+(``quantization`` "awq"), or dequantized into the model's dtype ("none").
+"""
 
 from __future__ import annotations
 
@@ -15,29 +19,54 @@ from kvpilot.engine.models.config import read_model_arch
 from kvpilot.engine.models.errors import ModelLoadError
 from kvpilot.engine.models.gguf_file import is_gguf_path
 from kvpilot.engine.models.llama import CausalLM
-from kvpilot.engine.models.weight_targets import weight_targets
+from kvpilot.engine.models.weight_targets import linear_slots, weight_targets
+from kvpilot.engine.quantization.assembly import LinearAssembler
+from kvpilot.engine.quantization.awq import TENSOR_SUFFIXES as AWQ_SUFFIXES
+from kvpilot.engine.quantization.awq import awq_to_packed
+from kvpilot.engine.quantization.method import read_awq_config, resolve_quantization
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """Build the model at model_path (a Hugging Face folder or a .gguf file) and fill its weights."""
+def load_model(
+    model_path: str | Path, dtype: torch.dtype, device: torch.device | str, quantization: str = "none"
+) -> CausalLM:
+    """Build the model at model_path (a Hugging Face folder or a .gguf file) and fill its weights.
+
+    ``quantization`` (engine/quantization/method.py): "auto" keeps what the checkpoint holds
+    packed, "awq"/"gguf" insist on it, "none" (the default here) dequantizes everything."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {dtype}")
+    method = resolve_quantization(quantization, model_path)
     if is_gguf_path(model_path):
         from kvpilot.engine.models.gguf_weights import load_gguf_model
 
-        return load_gguf_model(model_path, dtype, device)
+        return load_gguf_model(model_path, dtype, device, keep_packed=method == "gguf")
     model_dir = Path(model_path)
     arch = read_model_arch(model_dir)
+    awq = read_awq_config(model_dir)
     device = torch.device(device)
-    model = CausalLM(arch, dtype, device)
+    model = CausalLM(arch, dtype, device, quantized=method == "awq")
     targets = weight_targets(model)
+    assembler = LinearAssembler(linear_slots(model), dtype, device, str(model_dir)) if method == "awq" else None
+    awq_parts: dict[str, dict[str, torch.Tensor]] = {}  # module -> its AWQ tensors read so far
     filled: set[str] = set()
     with ExitStack() as stack:
-        for hf_name, handle in _open_weights(model_dir, stack):
+        for hf_name, handle in open_weights(model_dir, stack):
+            module, _, suffix = hf_name.rpartition(".")
+            if awq is not None and suffix in AWQ_SUFFIXES:
+                parts = awq_parts.setdefault(module, {})
+                parts[suffix] = handle.get_tensor(hf_name)
+                if len(parts) == len(AWQ_SUFFIXES):
+                    del awq_parts[module]
+                    _load_awq_module(module, parts, awq.group_size, assembler, targets, dtype)
+                    filled.add(f"{module}.weight")
+                continue
+            if assembler is not None and suffix == "weight" and module in assembler.slots:
+                assembler.add(module, handle.get_tensor(hf_name))  # a layer AWQ left unquantized
+                continue
             target = targets.get(hf_name)
             if target is None:
                 continue  # lm_head of a tied model, rotary buffers, or extra tensors we do not use
@@ -51,11 +80,37 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
                 )
             destination.copy_(tensor)
             filled.add(hf_name)
-    missing = sorted(set(targets) - filled)
+    if awq_parts:
+        module, parts = next(iter(awq_parts.items()))
+        absent = ", ".join(f"{module}.{s}" for s in AWQ_SUFFIXES if s not in parts)
+        raise ModelLoadError(f"AWQ tensors missing from the safetensors in {model_dir}: {absent}")
+    missing = sorted(set(targets) - filled) + ([] if assembler is None else assembler.missing())
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"weights missing from the safetensors in {model_dir}: {shown}")
+    if assembler is not None:
+        assembler.log_summary()
     return model.eval()
+
+
+def _load_awq_module(
+    module: str, parts: dict[str, torch.Tensor], group_size: int, assembler: LinearAssembler | None,
+    targets: dict[str, tuple[torch.nn.Parameter, slice]], dtype: torch.dtype,
+) -> None:
+    """One AWQ linear layer: kept packed (assembler) or dequantized into its dense target."""
+    if assembler is not None:
+        if module not in assembler.slots:
+            raise ModelLoadError(f"AWQ layer {module!r} has no place in this model")
+        assembler.add(module, awq_to_packed(module, **parts, group_size=group_size,
+                                            shape=assembler.slots[module].shape))  # fmt: skip
+        return
+    target = targets.get(f"{module}.weight")
+    if target is None:
+        raise ModelLoadError(f"AWQ layer {module!r} has no place in this model")
+    param, rows = target
+    destination = param.data[rows]
+    packed = awq_to_packed(module, **parts, group_size=group_size, shape=tuple(destination.shape))
+    destination.copy_(packed.dequantize(dtype))
 
 
 def load_tokenizer(model_path: str | Path):
@@ -83,7 +138,7 @@ def load_tokenizer(model_path: str | Path):
     return tokenizer
 
 
-def _open_weights(model_dir: Path, stack: ExitStack) -> Iterator[tuple[str, object]]:
+def open_weights(model_dir: Path, stack: ExitStack) -> Iterator[tuple[str, object]]:
     """(tensor name, open safetensors handle) for every tensor in the folder's weight files."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():

@@ -2,26 +2,69 @@
 
 CausalLM keeps q/k/v in one matrix and gate/up in another; a checkpoint stores them apart. The
 map below says, for every tensor name a Llama-family checkpoint uses, which parameter and which
-rows of it the tensor fills.
+rows of it the tensor fills. A model built with ``quantized=True`` leaves its matrices empty
+(None) instead: ``linear_slots`` says which checkpoint modules make up each of them, and the
+loader installs each one whole (packed or dense) once all its parts are read.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
 from kvpilot.engine.models.config import ModelArch
 from kvpilot.engine.models.llama import CausalLM, DecoderLayer
 
 
+@dataclass(frozen=True)
+class LinearSlot:
+    """One checkpoint module's place in a matrix of the model: part ``part`` of ``num_parts``, stacked
+    along the output features (q, k, v of qkv_proj)."""
+
+    owner: nn.Module
+    attribute: str
+    part: int
+    num_parts: int
+    shape: tuple[int, int]  # (out_features, in_features) of this part
+
+
+def linear_slots(model: CausalLM) -> dict[str, LinearSlot]:
+    """HF module name (``model.layers.0.self_attn.q_proj``) -> its slot, for every matrix left empty."""
+    arch: ModelArch = model.arch
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    slots: dict[str, LinearSlot] = {}
+    if model.embed_tokens is None:
+        slots["model.embed_tokens"] = LinearSlot(model, "embed_tokens", 0, 1, (arch.vocab_size, hidden))
+    if not arch.tie_word_embeddings and model.lm_head is None:
+        slots["lm_head"] = LinearSlot(model, "lm_head", 0, 1, (arch.vocab_size, hidden))
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        q, kv = layer.q_size, layer.kv_size
+        parts = {
+            "self_attn.q_proj": ("qkv_proj", 0, 3, (q, hidden)),
+            "self_attn.k_proj": ("qkv_proj", 1, 3, (kv, hidden)),
+            "self_attn.v_proj": ("qkv_proj", 2, 3, (kv, hidden)),
+            "self_attn.o_proj": ("o_proj", 0, 1, (hidden, q)),
+            "mlp.gate_proj": ("gate_up_proj", 0, 2, (inter, hidden)),
+            "mlp.up_proj": ("gate_up_proj", 1, 2, (inter, hidden)),
+            "mlp.down_proj": ("down_proj", 0, 1, (hidden, inter)),
+        }
+        for module, (attribute, part, num_parts, shape) in parts.items():
+            if getattr(layer, attribute) is None:
+                slots[f"model.layers.{i}.{module}"] = LinearSlot(layer, attribute, part, num_parts, shape)
+    return slots
+
+
 def weight_targets(model: CausalLM) -> dict[str, tuple[torch.nn.Parameter, slice]]:
-    """HF tensor name -> (our parameter, the rows of it that tensor fills)."""
+    """HF tensor name -> (our parameter, the rows of it that tensor fills), for every dense parameter."""
     arch: ModelArch = model.arch
     everything = slice(None)
-    targets: dict[str, tuple[torch.nn.Parameter, slice]] = {
-        "model.embed_tokens.weight": (model.embed_tokens, everything),
-        "model.norm.weight": (model.norm, everything),
-    }
-    if model.lm_head is not None:
+    targets: dict[str, tuple[torch.nn.Parameter, slice]] = {"model.norm.weight": (model.norm, everything)}
+    if isinstance(model.embed_tokens, nn.Parameter):
+        targets["model.embed_tokens.weight"] = (model.embed_tokens, everything)
+    if isinstance(model.lm_head, nn.Parameter):
         targets["lm_head.weight"] = (model.lm_head, everything)
     inter = arch.intermediate_size
     for i, layer in enumerate(model.layers):
@@ -30,13 +73,17 @@ def weight_targets(model: CausalLM) -> dict[str, tuple[torch.nn.Parameter, slice
         q, kv = layer.q_size, layer.kv_size
         qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
         for name, rows in qkv_rows.items():
-            targets[f"{p}self_attn.{name}.weight"] = (layer.qkv_proj, rows)
+            if layer.qkv_proj is not None:
+                targets[f"{p}self_attn.{name}.weight"] = (layer.qkv_proj, rows)
             if layer.qkv_bias is not None:
                 targets[f"{p}self_attn.{name}.bias"] = (layer.qkv_bias, rows)
-        targets[f"{p}self_attn.o_proj.weight"] = (layer.o_proj, everything)
-        targets[f"{p}mlp.gate_proj.weight"] = (layer.gate_up_proj, slice(0, inter))
-        targets[f"{p}mlp.up_proj.weight"] = (layer.gate_up_proj, slice(inter, 2 * inter))
-        targets[f"{p}mlp.down_proj.weight"] = (layer.down_proj, everything)
+        if layer.o_proj is not None:
+            targets[f"{p}self_attn.o_proj.weight"] = (layer.o_proj, everything)
+        if layer.gate_up_proj is not None:
+            targets[f"{p}mlp.gate_proj.weight"] = (layer.gate_up_proj, slice(0, inter))
+            targets[f"{p}mlp.up_proj.weight"] = (layer.gate_up_proj, slice(inter, 2 * inter))
+        if layer.down_proj is not None:
+            targets[f"{p}mlp.down_proj.weight"] = (layer.down_proj, everything)
         targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm, everything)
         targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm, everything)
         if layer.o_bias is not None:

@@ -1,0 +1,118 @@
+"""Weight-only quantized matmul: the Triton kernel (TRITON_INTERPRET=1 on CPU) and the CPU C kernel
+against the reference (dequantize to float32, multiply), over odd shapes, both bit widths and the
+group sizes the loaders produce; and the packed layout itself."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvpilot.kernels import cpu_quant_matmul
+from kvpilot.kernels.quant_layout import (
+    check_packed,
+    dequantize,
+    pack_codes,
+    quant_matmul_reference,
+    unpack_codes,
+)
+from kvpilot.kernels.quant_matmul import quant_matmul
+
+ON_CUDA = os.environ.get("KVPILOT_TEST_DEVICE", "cpu") == "cuda"
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+
+# (M rows, N out features, K in features, group size): one decode row, a few, more than a row tile;
+# N not a multiple of any block; K of one group and of many.
+CASES = [(1, 45, 64, 32), (3, 96, 160, 32), (9, 33, 256, 128), (17, 80, 192, 64)]
+if ON_CUDA:
+    CASES += [(1, 4096, 4096, 128), (8, 14336, 4096, 128), (300, 4096, 14336, 128)]
+# Against a float32 reference: the kernels sum in float32 in another order and round once to the dtype.
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 1.6e-2), torch.float16: (4e-3, 2e-3)}
+
+
+def random_packed(n: int, k: int, group_size: int, bits: int, seed: int, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    groups = k // group_size
+    if bits == 4:
+        values = torch.randint(0, 16, (n, k), generator=gen)
+        scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.001).to(torch.float16)
+        offsets = (-8 * scales.float() + 0.01 * torch.randn(n, groups, generator=gen)).to(torch.float16)
+    else:
+        values = torch.randint(-128, 128, (n, k), generator=gen)
+        scales = (torch.rand(n, groups, generator=gen) * 0.002 + 0.0001).to(torch.float16)
+        offsets = None
+    codes = pack_codes(values, bits)
+    move = (lambda t: t if t is None else t.to(device))
+    return move(codes), move(scales), move(offsets), values
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    atol, rtol = TOLERANCES[actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k,group_size", CASES)
+def test_triton_kernel_matches_reference(m, n, k, group_size, bits, dtype, device):
+    codes, scales, offsets, _ = random_packed(n, k, group_size, bits, seed=m * 31 + n, device=device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(device)
+    kw = {"bits": bits, "group_size": group_size}
+    assert_close(quant_matmul(x, codes, scales, offsets, **kw), quant_matmul_reference(x, codes, scales, offsets, **kw))
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the CPU kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k,group_size", CASES + [(37, 576, 1536, 32), (64, 50, 256, 256)])
+def test_cpu_kernel_matches_reference(m, n, k, group_size, bits, dtype):
+    codes, scales, offsets, _ = random_packed(n, k, group_size, bits, seed=m * 7 + n, device="cpu")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    kw = {"bits": bits, "group_size": group_size}
+    assert cpu_quant_matmul.usable(x, **kw)
+    actual = cpu_quant_matmul.cpu_quant_matmul(x, codes, scales, offsets, **kw)
+    assert actual.dtype == dtype and actual.shape == (m, n)
+    assert_close(actual, quant_matmul_reference(x, codes, scales, offsets, **kw))
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the CPU kernel")
+def test_cpu_kernel_handles_an_empty_batch():
+    codes, scales, offsets, _ = random_packed(16, 64, 32, 4, seed=0, device="cpu")
+    out = cpu_quant_matmul.cpu_quant_matmul(torch.zeros(0, 64), codes, scales, offsets, bits=4, group_size=32)
+    assert out.shape == (0, 16)
+
+
+def test_four_bit_layout_is_runs_of_32_low_nibbles_first():
+    values = torch.arange(64).remainder(16).view(1, 64)  # inputs 0..15, 0..15, 0..15, 0..15
+    codes = pack_codes(values, 4)
+    assert codes.shape == (1, 32)
+    # byte i of a run: input i (low nibble) and input i + 16 (high nibble)
+    assert codes[0, 0].item() == 0x00 and codes[0, 1].item() == 0x11 and codes[0, 15].item() == 0xFF
+    assert torch.equal(unpack_codes(codes, 4).long(), values)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_is_code_times_scale_plus_offset_per_group(bits):
+    codes, scales, offsets, values = random_packed(3, 128, 64, bits, seed=1, device="cpu")
+    weight = dequantize(codes, scales, offsets, bits=bits, group_size=64)
+    for row in range(3):
+        for column in (0, 63, 64, 127):
+            group = column // 64
+            expected = values[row, column].item() * scales[row, group].float().item()
+            if offsets is not None:
+                expected += offsets[row, group].float().item()
+            assert weight[row, column].item() == pytest.approx(expected, rel=1e-6, abs=1e-7)
+
+
+def test_check_packed_names_what_does_not_fit():
+    codes, scales, offsets, _ = random_packed(8, 64, 32, 4, seed=2, device="cpu")
+    with pytest.raises(ValueError, match="group_size must be a positive multiple of 32"):
+        check_packed(codes, scales, offsets, bits=4, group_size=48)
+    with pytest.raises(ValueError, match="scales must be contiguous"):
+        check_packed(codes, scales.float(), offsets, bits=4, group_size=32)
+    with pytest.raises(ValueError, match="need offsets"):
+        check_packed(codes, scales, None, bits=4, group_size=32)
+    with pytest.raises(ValueError, match="8-bit codes must be torch.int8"):
+        check_packed(codes, scales, None, bits=8, group_size=32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_codes(torch.zeros(2, 48, dtype=torch.long), 4)

@@ -1,0 +1,138 @@
+"""A model kept 4-bit end to end: `kvpilot quantize` writes an AWQ checkpoint of a generated model,
+and the engine serves it packed with the same greedy tokens and logits as the same weights dequantized."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvpilot.cli import main as kvpilot_main
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
+from kvpilot.engine.config import ConfigError
+from kvpilot.engine.models import ModelLoadError, load_model
+from kvpilot.engine.quantization.linear import QuantizedLinear
+from kvpilot.engine.quantization.writer import quantize_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+PROMPTS = [[1, 17, 230, 5, 99], [1, 400, 401, 402], [1, 7] * 9, [1, 1000, 3, 250, 12, 800, 90]]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def awq_dir(request, tiny_model_dirs, tmp_path_factory):
+    """AWQ copy of the tiny model (qwen2: q/k/v biases and a tied head); its intermediate size, 352,
+    takes group size 32."""
+    out = tmp_path_factory.mktemp(f"awq_{request.param}")
+    quantize_model(tiny_model_dirs[request.param], out, group_size=32)
+    return out
+
+
+def prompt_logits(model, tokens: list[int]) -> torch.Tensor:  # [len(tokens), vocab] float32
+    arch, block_size = model.arch, 16
+    num_blocks = -(-len(tokens) // block_size)
+    kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=model.dtype)
+                 for _ in range(arch.num_layers)]
+    n = len(tokens)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None], slot_mapping=torch.arange(n),
+        max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(tokens), torch.arange(n), kv_caches, metadata, get_attention_backend("torch"))
+        return model.compute_logits(hidden)
+
+
+def test_quantize_writes_an_awq_checkpoint(awq_dir):
+    config = json.loads((awq_dir / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 32,
+                                             "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+    assert (awq_dir / "tokenizer.json").is_file()
+    from safetensors import safe_open
+
+    with safe_open(str(awq_dir / "model.safetensors"), "pt") as handle:
+        names = set(handle.keys())
+        assert handle.get_tensor("model.layers.0.mlp.down_proj.qweight").shape == (352, 128 // 8)
+    assert "model.layers.0.self_attn.q_proj.weight" not in names
+    assert {"model.layers.0.self_attn.q_proj.qzeros", "model.layers.0.self_attn.q_proj.scales",
+            "model.embed_tokens.weight"} <= names
+
+
+def test_awq_model_keeps_every_linear_packed_in_under_a_third_of_bfloat16(awq_dir):
+    model = load_model(awq_dir, torch.float32, "cpu", quantization="auto")
+    packed_bytes = dense_bf16_bytes = 0
+    for layer in model.layers:
+        for name in MATRICES:
+            linear = getattr(layer, name)
+            assert isinstance(linear, QuantizedLinear) and linear.bits == 4 and linear.group_size == 32
+            packed_bytes += linear.nbytes
+            dense_bf16_bytes += linear.out_features * linear.in_features * 2
+            assert not any(p.is_floating_point() and p.shape == (linear.out_features, linear.in_features)
+                           for p in layer.parameters())  # no dense copy kept beside the codes
+    assert isinstance(model.embed_tokens, torch.nn.Parameter)  # AWQ leaves embeddings unquantized
+    # 4-bit codes plus a float16 scale and offset per 32 inputs: 5 bits a weight, 0.3125 of bfloat16's 16.
+    assert packed_bytes / dense_bf16_bytes == pytest.approx(5 / 16)
+
+
+def test_packed_and_dequantized_weights_give_the_same_logits_and_greedy_tokens(awq_dir):
+    packed = load_model(awq_dir, torch.float32, "cpu", quantization="awq")
+    dense = load_model(awq_dir, torch.float32, "cpu", quantization="none")
+    assert isinstance(dense.layers[0].qkv_proj, torch.nn.Parameter)
+    for tokens in PROMPTS:
+        torch.testing.assert_close(prompt_logits(packed, tokens), prompt_logits(dense, tokens), atol=1e-4, rtol=1e-4)
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "kv_cache_memory": 16 << 20}
+    outputs = {q: LLM(str(awq_dir), quantization=q, **kw).generate(PROMPTS, params, use_tqdm=False)
+               for q in ("awq", "none")}
+    for ours, reference in zip(outputs["awq"], outputs["none"], strict=True):
+        assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert ours.outputs[0].cumulative_logprob == pytest.approx(reference.outputs[0].cumulative_logprob, abs=1e-3)
+
+
+def test_bfloat16_packed_model_stays_close_to_float32(awq_dir):
+    # bfloat16 activations through the same codes: only the activations' rounding differs.
+    full = load_model(awq_dir, torch.float32, "cpu", quantization="awq")
+    half = load_model(awq_dir, torch.bfloat16, "cpu", quantization="awq")
+    half.pack_weights_for_cpu(batch_size_hint=8)  # oneDNN packs the dense embedding, leaves the codes alone
+    assert isinstance(half.layers[0].qkv_proj, QuantizedLinear)
+    for tokens in PROMPTS:
+        expected = prompt_logits(full, tokens)
+        spread = expected.std().item()
+        assert (prompt_logits(half, tokens) - expected).abs().max().item() < 0.1 * spread
+
+
+def test_awq_checkpoint_is_refused_as_gguf_and_plain_folders_as_awq(awq_dir, tiny_model_dir):
+    with pytest.raises(ConfigError, match="'gguf' was asked for"):
+        LLM(str(awq_dir), quantization="gguf", device="cpu")
+    with pytest.raises(ConfigError, match="'awq' was asked for"):
+        LLM(str(tiny_model_dir), quantization="awq", device="cpu")
+
+
+def test_quantize_command(tiny_model_dir, tmp_path, capsys):
+    assert kvpilot_main(["quantize", str(tiny_model_dir), str(tmp_path / "out"), "--group-size", "32"]) == 0
+    printed = capsys.readouterr().out
+    assert "wrote 14 4-bit linear layers (group size 32, round-to-nearest)" in printed
+    # in_features 352 (the MLP's down projection) is no multiple of 128: the error says what fits.
+    assert kvpilot_main(["quantize", str(tiny_model_dir), str(tmp_path / "bad")]) == 1
+    assert "not a multiple of group_size 128; use --group-size 32" in capsys.readouterr().err
+    assert kvpilot_main(["quantize", str(tmp_path / "out"), str(tmp_path / "again"), "--group-size", "32"]) == 1
+    assert "already an AWQ checkpoint" in capsys.readouterr().err
+
+
+def test_missing_awq_tensor_is_named(awq_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(awq_dir, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.qzeros"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.up_proj.qzeros"):
+        load_model(broken, torch.float32, "cpu", quantization="awq")
