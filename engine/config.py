@@ -14,6 +14,8 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# auto: keep what the checkpoint holds (AWQ 4-bit, GGUF Q4_0/Q4_1/Q8_0 packed); none: dequantize at load.
+QUANTIZATION_METHODS = ("auto", "awq", "gguf", "none")
 
 # Chunked prefill splits long prompts, so the per-step token budget only has to
 # keep big matrix multiplies busy; without chunking a whole prompt must fit.
@@ -43,6 +45,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True disables CUDA graphs
+    quantization: str = "auto"  # one of QUANTIZATION_METHODS (docs/quantization.md)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -50,6 +53,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         if self.max_num_batched_tokens is not None:
             _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)

@@ -39,6 +39,7 @@ class LLM:
         seed: int = 0,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        quantization: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -55,6 +56,7 @@ class LLM:
             seed=seed,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            quantization=quantization,
         )
         self.llm_engine = LLMEngine.from_config(config)
         self._request_counter = itertools.count()

@@ -155,7 +155,7 @@ class LLMEngine:
             backend_name = "triton" if device == "cuda" else "torch"
 
         torch.manual_seed(config.seed)
-        model = load_model(config.model, _TORCH_DTYPES[dtype], torch.device(device))
+        model = load_model(config.model, _TORCH_DTYPES[dtype], torch.device(device), config.quantization)
         if device == "cpu":
             model.pack_weights_for_cpu(batch_size_hint=config.max_num_seqs)
         tokenizer = load_tokenizer(config.model)

@@ -97,6 +97,9 @@ SERVE_FLAGS = (
     Flag("device", "where to run", choices=("auto", "cpu", "cuda")),
     Flag("attention_backend", "attention implementation (auto: triton on GPU, torch on CPU)",
          choices=("auto", "torch", "triton")),
+    Flag("quantization", "weights kept quantized: auto (what the checkpoint holds: AWQ folders stay 4-bit, GGUF "
+         "Q4_0/Q4_1/Q8_0 stay packed), awq, gguf, or none (dequantize at load); default auto",
+         choices=("auto", "awq", "gguf", "none")),
     Flag("enforce_eager", "disable CUDA graphs", boolean=True),
     Flag("enable_prefix_caching", "reuse KV blocks of shared prompt prefixes (default on)", boolean=True),
     Flag("enable_chunked_prefill", "split long prompts across steps (default on)", boolean=True),
@@ -120,7 +123,7 @@ SERVE_FLAGS = (
 
 ENGINE_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "gpu_memory_utilization",
-    "kv_cache_memory", "dtype", "device", "attention_backend", "enforce_eager", "enable_prefix_caching",
+    "kv_cache_memory", "dtype", "device", "attention_backend", "quantization", "enforce_eager", "enable_prefix_caching",
     "enable_chunked_prefill", "seed",
 )  # fmt: skip
 
