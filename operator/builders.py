@@ -170,6 +170,7 @@ def engine_args(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings
         "--gpu-memory-utilization", _number(in_effect.gpu_memory_utilization),
         "--block-size", str(engine.block_size),
         "--dtype", engine.dtype,
+        "--quantization", engine.quantization,
     ]
     if engine.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]

@@ -31,6 +31,7 @@ SHORT_NAMES = ("kvis",)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "awq", "gguf", "none")
 # Upper bound of the token counts (context length, step budget): far above any model's, low enough
 # that a typo (an extra zero or three) is caught at admission rather than by an engine failing to start.
 MAX_TOKENS = 1 << 20
@@ -284,6 +285,14 @@ class EngineParams(EngineSettings):
         description="Weights and activations dtype: auto (the model's own), float32, bfloat16 or float16.",
         max_length=16,
     )
+    quantization: str = Field(
+        default="auto",
+        description=(
+            "Weights kept quantized: auto (what the model holds: AWQ checkpoints stay 4-bit, GGUF Q4_0/Q4_1/Q8_0 "
+            "tensors stay packed), awq, gguf, or none (dequantize at load)."
+        ),
+        max_length=8,
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         max_length=64,
@@ -302,6 +311,12 @@ class EngineParams(EngineSettings):
             message="engine.dtype must be auto, float32, bfloat16 or float16",
             check=lambda e: e.dtype in DTYPES,
             field_path=".dtype",
+        ),
+        Rule(
+            cel="self.quantization in ['auto', 'awq', 'gguf', 'none']",
+            message="engine.quantization must be auto, awq, gguf or none",
+            check=lambda e: e.quantization in QUANTIZATIONS,
+            field_path=".quantization",
         ),
     )
 
