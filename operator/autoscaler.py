@@ -39,6 +39,8 @@ class ScalingPolicy:
     scale_down_step: int = 1
     capacity_smoothing: float = 0.5  # weight of the newest capacity measurement
     slo: Slo | None = None  # the service's latency SLO: a TTFT over it from queueing adds a replica
+    # With min_replicas 0: idle seconds before the last replica goes (None: the stabilization window).
+    scale_to_zero_after_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -63,12 +65,14 @@ class ScalingHistory:
     recommendations: tuple[tuple[float, int], ...] = ()  # (time, replicas) within the stabilization window
     capacity_per_replica: float | None = None  # output tokens/s of one saturated Ready replica
     observed_since: float | None = None  # first recommendation: scale-down waits a full window after it
+    last_active: float | None = None  # the last window with requests served, running or queued
 
     def to_dict(self) -> dict:
         return {
             "recommendations": [list(r) for r in self.recommendations],
             "capacityPerReplica": self.capacity_per_replica,
             "observedSince": self.observed_since,
+            "lastActive": self.last_active,
         }
 
     @classmethod
@@ -79,6 +83,7 @@ class ScalingHistory:
             tuple((float(t), int(r)) for t, r in data.get("recommendations", ())),
             data.get("capacityPerReplica"),
             data.get("observedSince"),
+            data.get("lastActive"),
         )
 
 
@@ -176,6 +181,17 @@ def autoscale(
     if queueing is not None:
         raw, basis = max(raw, current + 1), f"{basis}; {queueing}"
     raw = min(max(raw, policy.min_replicas), policy.max_replicas)
+    active = demand > 0 or observation.running > 0 or observation.waiting_now > 0
+    history = replace(history, last_active=now if active else history.last_active)
+    zero_after = policy.scale_to_zero_after_seconds
+    if raw == 0 and zero_after is not None:
+        since = history.last_active if history.last_active is not None else history.observed_since
+        idle = now - (since if since is not None else now)
+        if idle < zero_after:
+            raw, basis = 1, f"{basis}; idle {idle:.0f} s of the {zero_after:.0f} s before scaling to zero"
+        elif current == 1:
+            return decide(0, f"{basis}: no requests for {idle:.0f} s (scaleToZeroAfterSeconds {zero_after:.0f}): "
+                             "scaling to zero; a request through the gateway brings a replica back", history)
 
     window_start = now - policy.scale_down_stabilization_seconds
     recommendations = tuple(r for r in history.recommendations if r[0] >= window_start) + ((now, raw),)

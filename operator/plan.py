@@ -108,6 +108,7 @@ def plan(reading: Reading, memory: Memory, *, interval: float, scale_down_stabil
         replicas = ReplicaState(desired=spec.replicas, ready=len(reading.ready), pending_no_gpu=pending_no_gpu)
         policy = ScalingPolicy(spec.autoscaling.min_replicas, spec.autoscaling.max_replicas,
                                scale_down_stabilization_seconds=scale_down_stabilization_seconds,
+                               scale_to_zero_after_seconds=spec.autoscaling.scale_to_zero_after_seconds,
                                slo=spec.tuning.slo if spec.tuning is not None else None)
         saturated = is_saturated(observation, live.max_num_seqs, len(reading.ready), config)
         scale = autoscale(observation, replicas, policy, memory.scaling, now, saturated)

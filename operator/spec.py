@@ -415,12 +415,26 @@ class Autoscaling(SpecModel):
     enabled: bool = Field(default=True, description="Let the operator scale replicas between minReplicas and maxReplicas.")
     min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Fewest replicas.")
     max_replicas: int = Field(ge=1, le=MAX_REPLICAS, description="Most replicas (each needs its own GPUs).")
+    scale_to_zero_after_seconds: int | None = Field(
+        default=None, ge=30, le=86400,
+        description=(
+            "With minReplicas 0: seconds without requests before the last replica goes. The kvpilot gateway "
+            "holds a request for a service at zero replicas and asks for a replica. Unset: the operator's "
+            "scale-down stabilization window (KVPILOT_SCALE_DOWN_STABILIZATION_SECONDS)."
+        ),
+    )
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="self.minReplicas <= self.maxReplicas",
             message="autoscaling.minReplicas must be at most autoscaling.maxReplicas",
             check=lambda a: a.min_replicas <= a.max_replicas,
             field_path=".minReplicas",
+        ),
+        Rule(
+            cel="!has(self.scaleToZeroAfterSeconds) || self.minReplicas == 0",
+            message="autoscaling.scaleToZeroAfterSeconds needs autoscaling.minReplicas: 0",
+            check=lambda a: a.scale_to_zero_after_seconds is None or a.min_replicas == 0,
+            field_path=".scaleToZeroAfterSeconds",
         ),
     )
 

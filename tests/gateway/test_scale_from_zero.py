@@ -1,11 +1,18 @@
 """What the gateway's wake-up relies on in the operator's autoscaler (minReplicas 0): an idle service goes to
-zero after the scale-down stabilization window and stays there with no pod to read; once the gateway has
-asked for a replica, the autoscaler keeps it while the pod starts."""
+zero (after scaleToZeroAfterSeconds without requests, else the scale-down stabilization window) and stays
+there with no pod to read; once the gateway has asked for a replica, the autoscaler keeps it while the pod
+starts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+from pydantic import ValidationError
+
 from kvpilot.operator.autoscaler import ReplicaState, ScalingHistory, ScalingPolicy, autoscale
 from kvpilot.operator.engine_metrics import Observation
+from kvpilot.operator.spec import parse_spec
 
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=2, scale_down_stabilization_seconds=300.0)
 INTERVAL = 30.0
@@ -41,3 +48,29 @@ def test_a_replica_the_gateway_asked_for_is_kept_while_it_starts():
     history = ScalingHistory(recommendations=((0.0, 0),), observed_since=-600.0)
     decision = autoscale(None, ReplicaState(desired=1, ready=0), POLICY, history, 30.0, saturated=False)
     assert decision.replicas == 1 and not decision.changed
+
+
+def test_scale_to_zero_after_seconds_takes_the_last_replica_that_long_after_the_last_request():
+    policy = ScalingPolicy(min_replicas=0, max_replicas=2, scale_down_stabilization_seconds=300.0,
+                           scale_to_zero_after_seconds=90.0)
+    replicas, history, seen = 1, ScalingHistory(), []
+    for tick in range(10):
+        now = tick * INTERVAL
+        observation = (replace(_idle(1), running=1.0, output_tokens_per_second=50.0) if tick < 2
+                       else _idle(replicas) if replicas else None)
+        decision = autoscale(observation, ReplicaState(replicas, replicas), policy, history, now, saturated=False)
+        history, replicas = decision.history, decision.replicas
+        seen.append((now, replicas, decision.reason))
+    went = next(now for now, r, _ in seen if r == 0)
+    assert went == INTERVAL + 90.0  # 90 s after the last window with a request, before the 300 s window
+    assert "scaleToZeroAfterSeconds 90" in next(reason for now, _, reason in seen if now == went)
+    assert "idle 30 s of the 90 s before scaling to zero" in seen[2][2]
+
+
+def test_scale_to_zero_after_seconds_needs_min_replicas_zero():
+    with pytest.raises(ValidationError, match="scaleToZeroAfterSeconds needs autoscaling.minReplicas: 0"):
+        parse_spec({"model": {"uri": "pvc://m"}, "autoscaling": {"minReplicas": 1, "maxReplicas": 2,
+                                                                 "scaleToZeroAfterSeconds": 60}})
+    spec = parse_spec({"model": {"uri": "pvc://m"}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2,
+                                                                    "scaleToZeroAfterSeconds": 60}})
+    assert spec.autoscaling.scale_to_zero_after_seconds == 60
