@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpilot.engine.spec_decode.config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -46,6 +48,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True disables CUDA graphs
     quantization: str = "auto"  # one of QUANTIZATION_METHODS (docs/quantization.md)
+    speculative_config: SpeculativeConfig | None = None  # None: one token per sequence per step
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -74,6 +77,11 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise ConfigError(
+                "speculative_config: build it with SpeculativeConfig.from_dict({...}), got "
+                f"{type(self.speculative_config).__name__}"
+            )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "

@@ -127,10 +127,13 @@ class KVCacheManager:
         if self.enable_caching:
             # A block whose slots are all assigned is registered now: its KV is
             # written in this step's forward, before any later step can read it.
-            num_full = total_tokens // self.block_size
+            # Slots of proposed tokens (past num_tokens) may still be rejected: a
+            # block holding any of them is registered once they are verified.
+            num_verified = min(total_tokens, request.num_tokens)
+            num_full = num_verified // self.block_size
             num_registered = self._num_registered[request_id]
             if num_full > num_registered:
-                self._hash_full_blocks(request, total_tokens)
+                self._hash_full_blocks(request, num_verified)
                 for i in range(num_registered, num_full):
                     self.pool.cache_full_block(blocks[i], request.block_hashes[i])
                 self._num_registered[request_id] = num_full
@@ -147,6 +150,24 @@ class KVCacheManager:
         self._slots_assigned -= self._num_slots.pop(request_id)
         self._blocks_held -= len(blocks)
         self.pool.free_blocks(reversed(blocks))
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep slots for the request's first ``num_tokens`` tokens only; blocks past them are freed
+        (tail first). Undoes slots of rejected proposals, which are never in the prefix cache."""
+        request_id = request.request_id
+        blocks = self._blocks[request_id]
+        block_ids = self._block_ids[request_id]
+        num_kept = -(-num_tokens // self.block_size)
+        assert num_kept >= self._num_registered[request_id], f"{request_id}: trimming a block in the prefix cache"
+        assert num_tokens <= self._num_slots[request_id], f"{request_id}: trim can only shrink"
+        dropped = blocks[num_kept:]
+        if dropped:
+            del blocks[num_kept:]
+            del block_ids[num_kept:]
+            self._blocks_held -= len(dropped)
+            self.pool.free_blocks(reversed(dropped))
+        self._slots_assigned -= self._num_slots[request_id] - num_tokens
+        self._num_slots[request_id] = num_tokens
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (the manager's own list: read it, never change it)."""

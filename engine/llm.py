@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.request import InvalidRequestError
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.spec_decode.config import SpeculativeConfig
 
 PromptType = str | Sequence[int]
 
@@ -40,6 +42,7 @@ class LLM:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         quantization: str = "auto",
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -57,6 +60,7 @@ class LLM:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             quantization=quantization,
+            speculative_config=SpeculativeConfig.from_dict(speculative_config),
         )
         self.llm_engine = LLMEngine.from_config(config)
         self._request_counter = itertools.count()

@@ -33,12 +33,15 @@ from kvpilot.engine.config import (
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.model_runner import ModelRunner
-from kvpilot.engine.models import ModelArch, load_model, load_tokenizer, read_model_arch, saved_dtype
+from kvpilot.engine.models import CausalLM, ModelArch, load_model, load_tokenizer, read_model_arch, saved_dtype
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpilot.engine.request import InvalidRequestError, Request, RequestStatus
 from kvpilot.engine.sampler import Sampler, SamplingInput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.spec_decode.draft_proposer import DraftModelProposer
+from kvpilot.engine.spec_decode.ngram_proposer import NgramProposer
+from kvpilot.engine.spec_decode.speculator import SpecDecodeStats, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,8 @@ class EngineStats:
     kv_slots_held_sum: int = 0
     step_seconds_total: float = 0.0  # wall time inside step()
     forward_seconds_total: float = 0.0  # of which: model forward and LM head
+    num_speculative_tokens: int | None = None  # current k; None without speculative decoding
+    spec_decode: SpecDecodeStats | None = None  # None without speculative decoding
 
     @property
     def kv_utilization_mean(self) -> float | None:
@@ -108,6 +113,7 @@ class LLMEngine:
         arch: ModelArch,
         tokenizer,
         runner: ModelRunner,
+        draft_model: CausalLM | None = None,
     ) -> None:
         self.config = config
         self.resolved = resolved
@@ -126,6 +132,7 @@ class LLMEngine:
             max_model_len=resolved.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
+        self.speculator = self._build_speculator(draft_model)
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
         self._sequences: dict[str, _Sequence] = {}  # by sequence (scheduler) id
@@ -158,6 +165,9 @@ class LLMEngine:
         model = load_model(config.model, _TORCH_DTYPES[dtype], torch.device(device), config.quantization)
         if device == "cpu":
             model.pack_weights_for_cpu(batch_size_hint=config.max_num_seqs)
+        draft_model = None
+        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+            draft_model = _load_draft_model(config, arch, _TORCH_DTYPES[dtype], device, max_model_len)
         tokenizer = load_tokenizer(config.model)
         runner = ModelRunner(
             model,
@@ -173,6 +183,15 @@ class LLMEngine:
             head_dim=arch.head_dim,
             dtype_bytes=_TORCH_DTYPES[dtype].itemsize,
         )
+        if draft_model is not None:  # the draft's KV cache has as many blocks as the target's
+            draft_arch = draft_model.arch
+            block_bytes += kv_block_bytes(
+                block_size=config.block_size,
+                num_layers=draft_arch.num_layers,
+                num_kv_heads=draft_arch.num_kv_heads,
+                head_dim=draft_arch.head_dim,
+                dtype_bytes=_TORCH_DTYPES[dtype].itemsize,
+            )
         budget, source = _kv_cache_budget(config, runner, device, max_model_len, max_num_batched_tokens, block_bytes)
         num_blocks = blocks_from_budget(
             budget_bytes=budget,
@@ -199,7 +218,31 @@ class LLMEngine:
             arch.architecture, device, dtype, num_blocks, config.block_size,
             num_blocks * block_bytes / 1024**2, max_model_len,
         )
-        return cls(config, resolved, arch, tokenizer, runner)
+        return cls(config, resolved, arch, tokenizer, runner, draft_model)
+
+    def _build_speculator(self, draft_model: CausalLM | None) -> Speculator | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if draft_model is None:
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            proposer = DraftModelProposer(
+                draft_model,
+                num_blocks=self.resolved.num_kv_blocks,
+                block_size=self.config.block_size,
+                backend=get_attention_backend(self.resolved.attention_backend),
+                device=torch.device(self.resolved.device),
+                reserve=self._reserve_slots,
+            )
+        return Speculator(spec, proposer, self.resolved.max_model_len)
+
+    def _reserve_slots(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Slots for ``num_tokens`` tokens after the request's computed ones (a draft model writes its
+        guesses there; the next step verifies them there); the block table, or None when full."""
+        if self.kv_cache_manager.allocate_slots(request, num_tokens) is None:
+            return None
+        return self.kv_cache_manager.get_block_ids(request.request_id)
 
     # ----------------------------------------------------------------- requests
 
@@ -275,6 +318,15 @@ class LLMEngine:
         """Change the batch limits of a live engine; validated here, obeyed from the next step."""
         self.scheduler.set_limits(max_num_seqs, max_num_batched_tokens)
 
+    def set_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
+        """Change how many tokens speculative decoding proposes per step (0 pauses it), live."""
+        if self.speculator is None:
+            raise ValueError(
+                "num_speculative_tokens: this engine runs without speculative decoding; start it with "
+                "speculative_config (kvpilot serve --speculative-config '{\"method\": \"ngram\", ...}')"
+            )
+        self.speculator.set_num_speculative_tokens(num_speculative_tokens)
+
     # ----------------------------------------------------------------- stepping
 
     def step(self) -> list[RequestOutput]:
@@ -298,31 +350,48 @@ class LLMEngine:
 
         forward_before = self.runner.forward_seconds
         result = self.runner.execute(step)
+        if self.speculator is not None:
+            inputs = result.inputs
+            self.speculator.observe(inputs.input_ids, inputs.positions, inputs.metadata)
 
         now = time.monotonic()
         advanced: dict[str, _RequestState] = {}
         finished: dict[RequestStatus, list[Request]] = {}
-        sampled = result.sampler_output
-        for request, token_id, logprobs in zip(result.sampled_requests, sampled.token_ids, sampled.logprobs):
+        still_running: list[Request] = []
+        for request, token_ids, logprobs, num_drafts in zip(
+            result.sampled_requests, result.token_ids, result.logprobs, result.num_drafts
+        ):
             sequence = sequences[request.request_id]
             state = sequence.state
-            request.append_output_token(token_id)
-            if sequence.logprobs is not None and logprobs is not None:
-                sequence.logprobs.append(logprobs)
-                sequence.cumulative_logprob += logprobs.get(token_id, 0.0)
-            status = self._check_stop(request, sequence, token_id)
+            request.spec_token_ids = []
+            status = None
+            for token_id in token_ids:  # one token, or accepted proposals plus one: each checked for a stop
+                request.append_output_token(token_id)
+                self._generation_tokens_total += 1
+                if sequence.logprobs is not None and logprobs is not None:
+                    sequence.logprobs.append(logprobs)
+                    sequence.cumulative_logprob += logprobs.get(token_id, 0.0)
+                status = self._check_stop(request, sequence, token_id)
+                if status is not None:
+                    break
             if status is not None:
                 finished.setdefault(status, []).append(request)
                 state.num_unfinished -= 1
+            else:
+                if num_drafts:
+                    self.scheduler.rollback(request, num_drafts - (len(token_ids) - 1))
+                still_running.append(request)
             advanced[state.request_id] = state
             metrics = state.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
                 self._prompt_tokens_total += len(state.prompt_token_ids)
             metrics.last_token_time = now
-        self._generation_tokens_total += len(sampled.token_ids)
         for status, requests in finished.items():
             self.scheduler.finish_requests(requests, status)
+        if self.speculator is not None:
+            self.speculator.record(result.num_drafts, result.token_ids)
+            self.speculator.propose(still_running, self.scheduler.num_running)
 
         outputs = []
         for state in advanced.values():
@@ -375,6 +444,8 @@ class LLMEngine:
             kv_slots_held_sum=self._kv_slots_held_sum,
             step_seconds_total=self._step_seconds_total,
             forward_seconds_total=self.runner.forward_seconds,
+            num_speculative_tokens=None if self.speculator is None else self.speculator.num_speculative_tokens,
+            spec_decode=None if self.speculator is None else self.speculator.stats(),
         )
 
     # ----------------------------------------------------------------- helpers
@@ -457,6 +528,27 @@ class LLMEngine:
                 )
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise InvalidRequestError(f"logprobs: at most the vocabulary size ({vocab_size}), got {params.logprobs}")
+
+
+def _load_draft_model(
+    config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: str, max_model_len: int
+) -> CausalLM:
+    path = config.speculative_config.model
+    draft_arch = read_model_arch(path)
+    if draft_arch.vocab_size != arch.vocab_size:
+        raise ConfigError(
+            f"speculative_config.model: the draft's vocabulary has {draft_arch.vocab_size} tokens but the target's "
+            f"has {arch.vocab_size}; use a draft model with the target's tokenizer"
+        )
+    if draft_arch.max_position_embeddings < max_model_len:
+        raise ConfigError(
+            f"speculative_config.model: the draft handles {draft_arch.max_position_embeddings} positions, fewer "
+            f"than max_model_len ({max_model_len}); lower max_model_len or use another draft"
+        )
+    draft = load_model(path, dtype, torch.device(device))
+    if device == "cpu":
+        draft.pack_weights_for_cpu(batch_size_hint=config.speculative_config.disable_by_batch_size)
+    return draft
 
 
 def _resolve_max_model_len(config: EngineConfig, arch: ModelArch) -> int:

@@ -5,6 +5,9 @@ query_start_loc[i+1]``, whether they are a whole prompt, a prompt chunk on top
 of a cached prefix, a recomputation after preemption or one decode token. Only
 rows that end a sequence's catch-up (its computed tokens reach its length) go
 through the LM head and the sampler; a partial prefill chunk samples nothing.
+A sequence that also computes proposed tokens (speculative decoding) gets logits
+at its last verified token and at each proposal, and the rejection sampler decides
+how many proposals to keep.
 
 Per-step Python work is kept to one pass over the scheduled sequences; every
 tensor is built from a list with one ``torch.tensor`` call or derived with a
@@ -24,8 +27,9 @@ import torch
 from kvpilot.engine.attention import AttentionBackend, AttentionMetadata
 from kvpilot.engine.models import CausalLM
 from kvpilot.engine.request import Request
-from kvpilot.engine.sampler import Sampler, SamplerOutput
+from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler import SchedulerOutput
+from kvpilot.engine.spec_decode.rejection_sampler import rejection_sample
 
 if TYPE_CHECKING:
     from kvpilot.engine.cuda_graphs import DecodeCudaGraphs
@@ -36,15 +40,21 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] int64 rows whose hidden state is sampled from
-    sampled_requests: list[Request]  # parallel to logits_indices
+    logits_indices: torch.Tensor  # [num_logits] int64 rows whose hidden state is sampled from
+    sampled_requests: list[Request]  # each owns 1 + len(its drafts) consecutive logits_indices
+    drafts: list[list[int]]  # per sampled request: the proposals this step verifies (mostly none)
     is_decode_only: bool  # every sequence computes exactly one token (the CUDA-graph case)
 
 
 @dataclass(frozen=True)
 class StepResult:
     sampled_requests: list[Request]
-    sampler_output: SamplerOutput  # token_ids / logprobs parallel to sampled_requests
+    # Per sampled request: its new tokens (one, or its accepted proposals plus one), and the
+    # logprobs of the one when it asked for them (requests with proposals never do).
+    token_ids: list[list[int]]
+    logprobs: list[dict[int, float] | None]
+    num_drafts: list[int]  # per sampled request: proposals verified (accepted: len(token_ids) - 1)
+    inputs: ModelInputs  # what the forward ran (a draft model runs the same batch)
 
 
 class ModelRunner:
@@ -84,13 +94,39 @@ class ModelRunner:
         inputs = self.prepare_inputs(step)
         start = time.perf_counter()
         hidden = self.run_model(inputs)  # [num_tokens, hidden_size]
-        if not inputs.sampled_requests:
+        requests = inputs.sampled_requests
+        if not requests:
             self.forward_seconds += time.perf_counter() - start
-            return StepResult([], SamplerOutput(token_ids=[], logprobs=[]))
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab] float32
+            return StepResult([], [], [], [], inputs)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, vocab] float32
         self.forward_seconds += time.perf_counter() - start
-        sampler_output = self.sampler.sample(logits, [r.sampling_input for r in inputs.sampled_requests])
-        return StepResult(inputs.sampled_requests, sampler_output)
+        num_drafts = [len(d) for d in inputs.drafts]
+        if not any(num_drafts):
+            out = self.sampler.sample(logits, [r.sampling_input for r in requests])
+            return StepResult(requests, [[t] for t in out.token_ids], out.logprobs, num_drafts, inputs)
+        return self._verify(logits, inputs, num_drafts)
+
+    def _verify(self, logits: torch.Tensor, inputs: ModelInputs, num_drafts: list[int]) -> StepResult:
+        """Plain sampling for requests without proposals, rejection sampling for the others."""
+        requests, drafts = inputs.sampled_requests, inputs.drafts
+        last_rows = list(accumulate(n + 1 for n in num_drafts))  # one past each request's rows
+        plain = [i for i, n in enumerate(num_drafts) if n == 0]
+        spec = [i for i, n in enumerate(num_drafts) if n > 0]
+        token_ids: list[list[int]] = [[] for _ in requests]
+        logprobs: list[dict[int, float] | None] = [None] * len(requests)
+        if plain:
+            out = self.sampler.sample(
+                logits[[last_rows[i] - 1 for i in plain]], [requests[i].sampling_input for i in plain]
+            )
+            for i, token, lp in zip(plain, out.token_ids, out.logprobs):
+                token_ids[i], logprobs[i] = [token], lp
+        spec_rows = [row for i in spec for row in range(last_rows[i] - num_drafts[i] - 1, last_rows[i])]
+        emitted = rejection_sample(
+            logits[spec_rows], [drafts[i] for i in spec], [requests[i].sampling_input for i in spec]
+        )
+        for i, tokens in zip(spec, emitted):
+            token_ids[i] = tokens
+        return StepResult(requests, token_ids, logprobs, num_drafts, inputs)
 
     def enable_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode batches of up to max_num_seqs sequences (after allocate_kv_cache)."""
@@ -115,40 +151,62 @@ class ModelRunner:
 
     def prepare_inputs(self, step: SchedulerOutput) -> ModelInputs:
         input_ids: list[int] = []
-        seq_lens: list[int] = []
-        last_rows: list[int] = []
+        logit_rows: list[int] = []
         sampled: list[Request] = []
+        drafts: list[list[int]] = []
+        # Per attention sequence (a scheduled sequence, or one row of a verifying sequence): its new
+        # tokens, its context length after the step, its block table.
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
         row = 0
-        for request, num_new, num_before in zip(step.requests, step.num_scheduled_tokens, step.num_computed_before):
+        for request, num_new, num_before, block_ids in zip(
+            step.requests, step.num_scheduled_tokens, step.num_computed_before, step.block_ids
+        ):
             tokens = request.all_token_ids
-            if num_new == 1:
-                input_ids.append(tokens[num_before])
-            else:
-                input_ids.extend(tokens[num_before : num_before + num_new])
             seq_len = num_before + num_new
-            seq_lens.append(seq_len)
+            num_verified = len(tokens)
+            if num_new == 1 and seq_len <= num_verified:
+                input_ids.append(tokens[num_before])
+            elif seq_len <= num_verified:
+                input_ids.extend(tokens[num_before : num_before + num_new])
+            else:
+                input_ids.extend((tokens + request.spec_token_ids)[num_before:seq_len])
             row += num_new
-            if seq_len == len(tokens):
-                last_rows.append(row - 1)
+            if seq_len > num_verified:
+                # Verifying proposals: each row attends as a decode row of its own (row j sees the
+                # context up to itself), so the decode attention path serves the whole step.
+                q_lens.extend([1] * num_new)
+                seq_lens.extend(range(num_before + 1, seq_len + 1))
+                tables.extend([block_ids] * num_new)
+            else:
+                q_lens.append(num_new)
+                seq_lens.append(seq_len)
+                tables.append(block_ids)
+            if seq_len >= num_verified:
+                # Logits after the last verified token and after each proposal computed this step
+                # (the token budget may have cut the proposals short).
+                num_drafts = seq_len - num_verified
+                logit_rows.extend(range(row - 1 - num_drafts, row))
                 sampled.append(request)
-        query_start_loc = [0, *accumulate(step.num_scheduled_tokens)]
+                drafts.append(request.spec_token_ids[:num_drafts])
+        query_start_loc = [0, *accumulate(q_lens)]
         num_tokens = query_start_loc[-1]
         is_decode_only = num_tokens == len(seq_lens)
 
-        block_ids = step.block_ids
-        max_blocks = max(map(len, block_ids))
+        max_blocks = max(map(len, tables))
         block_tables = torch.tensor(
-            [ids + [0] * (max_blocks - len(ids)) for ids in block_ids], dtype=torch.int32
+            [ids + [0] * (max_blocks - len(ids)) for ids in tables], dtype=torch.int32
         )  # [num_seqs, max_blocks]
-        num_before_t = torch.tensor(step.num_computed_before, dtype=torch.int64)  # [num_seqs]
+        num_before_t = torch.tensor(seq_lens, dtype=torch.int64) - torch.tensor(q_lens, dtype=torch.int64)
         if is_decode_only:
             positions = num_before_t  # [num_tokens]
             token_seq = torch.arange(num_tokens)
         else:
-            q_lens = torch.tensor(step.num_scheduled_tokens, dtype=torch.int64)
+            q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
             starts = torch.tensor(query_start_loc[:-1], dtype=torch.int64)
             # Row r of sequence i sits at position num_before_i + (r - start_i).
-            token_seq = torch.repeat_interleave(torch.arange(len(seq_lens)), q_lens)  # [num_tokens]
+            token_seq = torch.repeat_interleave(torch.arange(len(seq_lens)), q_lens_t)  # [num_tokens]
             positions = torch.arange(num_tokens) + (num_before_t - starts)[token_seq]
         slot_mapping = block_tables[token_seq, positions // self.block_size].long() * self.block_size + (
             positions % self.block_size
@@ -160,7 +218,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=block_tables.to(device),
             slot_mapping=slot_mapping.to(device),
-            max_query_len=max(step.num_scheduled_tokens),
+            max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
@@ -169,8 +227,9 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=positions.to(device),
             metadata=metadata,
-            logits_indices=torch.tensor(last_rows, dtype=torch.int64, device=device),
+            logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=device),
             sampled_requests=sampled,
+            drafts=drafts,
             is_decode_only=is_decode_only,
         )
 

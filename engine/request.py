@@ -56,6 +56,7 @@ class Request:
         "block_hashes",
         "sampling_input",
         "stop_reason",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -80,10 +81,17 @@ class Request:
         self.block_hashes: list[int] = []
         self.sampling_input = sampling_input  # the sampler's per-sequence input, set by the engine
         self.stop_reason: str | int | None = None
+        # Proposed next tokens (speculative decoding), not yet verified: the scheduler computes them
+        # like any other token and the target model accepts a prefix of them; never in all_token_ids.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -113,10 +113,15 @@ def _token_counts(id_lists: list[Sequence[int]], vocab: int, device: torch.devic
 
 def _sample_random(logits: torch.Tensor, inputs: Sequence[SamplingInput]) -> torch.Tensor:
     """logits: [r, vocab] of non-greedy requests -> sampled token ids [r]."""
+    return sample_from_probs(random_probs(logits, [inp.params for inp in inputs]), inputs)
+
+
+def random_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits: [r, vocab] -> the distribution [r, vocab] a random row samples from: temperature,
+    then top-k / top-p, then min-p (penalties and min_tokens are applied to the logits before)."""
     device = logits.device
-    temperature = torch.tensor([inp.params.temperature for inp in inputs], device=device)[:, None]
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
     logits = logits / temperature
-    params = [inp.params for inp in inputs]
     if any(p.uses_top_k or p.top_p < 1.0 for p in params):
         logits = _top_k_top_p(logits, params)
     if any(p.min_p > 0.0 for p in params):
@@ -124,8 +129,13 @@ def _sample_random(logits: torch.Tensor, inputs: Sequence[SamplingInput]) -> tor
         min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
         threshold = min_p * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, -float("inf"))
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
 
+
+def sample_from_probs(probs: torch.Tensor, inputs: Sequence[SamplingInput]) -> torch.Tensor:
+    """probs: [r, vocab], one row per input (rows need not sum to 1) -> token ids [r], each drawn with
+    its row's probabilities, from the input's own generator when it has one."""
+    device = probs.device
     q = torch.empty_like(probs)
     unseeded = [i for i, inp in enumerate(inputs) if inp.generator is None]
     if unseeded:

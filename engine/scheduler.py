@@ -1,10 +1,12 @@
 """Iteration-level scheduling: which sequences run this step, and how many tokens each computes.
 
 One rule, no phases: every sequence's ``num_computed_tokens`` catches up to its
-``num_tokens`` (prompt + output so far). A fresh prompt catches up over one or
-more steps (chunked prefill), a generating sequence by one token a step, a
+``num_tokens`` (prompt + output so far) plus its proposed tokens, if any. A fresh
+prompt catches up over one or more steps (chunked prefill), a generating sequence
+by one token a step (1 + k with k proposals from speculative decoding), a
 preempted one by recomputing everything — all through the same loop, so
-prefill and decode mix freely in one batch.
+prefill, decode and verification mix freely in one batch. After a step verified
+proposals, ``rollback`` un-computes the rejected ones.
 
 Per step: running sequences first (oldest first), then waiting ones (first
 come, first served), within a budget of ``max_num_batched_tokens`` tokens and
@@ -116,7 +118,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request} is running with nothing to compute"
             while kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()  # newest; never one already scheduled (those sit before index)
@@ -178,9 +180,18 @@ class Scheduler:
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
 
+    def rollback(self, request: Request, num_rejected: int) -> None:
+        """After a step that verified proposals: un-compute the last ``num_rejected`` tokens (the
+        proposals the target rejected); slots past the computed tokens are released and blocks past
+        them freed."""
+        request.num_computed_tokens -= num_rejected
+        assert request.num_computed_tokens < request.num_tokens, f"{request}: rolled back below its verified tokens"
+        self.kv_cache_manager.trim(request, request.num_computed_tokens)
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()  # proposals were made for the KV just dropped
         self.waiting.appendleft(request)
         self.num_preemptions += 1

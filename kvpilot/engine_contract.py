@@ -26,6 +26,13 @@ METRICS_PATH = "/metrics"  # Prometheus text exposition, no auth
 ADMIN_SCHEDULER_PATH = "/admin/v1/scheduler"
 # The admin API's JSON keys: the limits it changes live, named as `kvpilot serve`'s flags.
 LIVE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens")
+# Everything the admin API changes live: the operator's settings above, plus the depth of
+# speculative decoding (an engine started with --speculative-config; 0 pauses it).
+ADMIN_SETTINGS = LIVE_SETTINGS + ("num_speculative_tokens",)
+# `kvpilot serve --speculative-config` (spec.engine.speculative): the methods the engine offers and the
+# most tokens it proposes per step.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_NUM_SPECULATIVE_TOKENS = 16
 
 # --- start-up ------------------------------------------------------------------------
 
@@ -70,6 +77,18 @@ GENERATION_TOKENS = "kvpilot_generation_tokens_total"
 REQUEST_SUCCESS = "kvpilot_request_success_total"  # label: finish_reason
 ENGINE_STEPS = "kvpilot_engine_steps_total"  # scheduler iterations that ran a forward
 STEP_RUNNING_SEQS = "kvpilot_step_running_seqs_total"  # running requests summed over steps
+
+# Speculative decoding (only with --speculative-config), vLLM's spec_decode names with our prefix.
+SPEC_DECODE_NUM_SPECULATIVE_TOKENS = "kvpilot_spec_decode_num_speculative_tokens"  # gauge: current k
+SPEC_DECODE_NUM_DRAFTS = "kvpilot_spec_decode_num_drafts_total"  # sequence-steps that verified proposals
+SPEC_DECODE_NUM_DRAFT_TOKENS = "kvpilot_spec_decode_num_draft_tokens_total"  # proposals verified
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "kvpilot_spec_decode_num_accepted_tokens_total"  # proposals accepted
+# label: position (0 = the first proposal of a step)
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "kvpilot_spec_decode_num_accepted_tokens_per_pos_total"
+# Gauges since start: accepted / draft tokens, and 1 + accepted / drafts (tokens per verifying step).
+SPEC_DECODE_ACCEPTANCE_RATE = "kvpilot_spec_decode_draft_acceptance_ratio"
+SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH = "kvpilot_spec_decode_mean_acceptance_length"
+POSITION_LABEL = "position"
 
 # Histograms (base names; the exposition adds _bucket, _sum and _count).
 TIME_TO_FIRST_TOKEN = "kvpilot_time_to_first_token_seconds"

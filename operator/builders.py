@@ -13,6 +13,7 @@ and tests read the dicts directly. Children, all named after the service:
 from __future__ import annotations
 
 import base64
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,6 +183,8 @@ def engine_args(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings
         "--tuning-file", TUNING_FILE,
         "--shutdown-grace-period", str(settings.engine_shutdown_grace_seconds),
     ]
+    if engine.speculative is not None:
+        args += ["--speculative-config", json.dumps(engine.speculative.engine_config(), separators=(",", ":"))]
     return args + list(engine.extra_args)
 
 

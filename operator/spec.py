@@ -21,6 +21,8 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from kvpilot.engine_contract import MAX_NUM_SPECULATIVE_TOKENS
+
 GROUP = "kvpilot.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -30,6 +32,7 @@ SINGULAR = "inferenceservice"
 SHORT_NAMES = ("kvis",)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+SPECULATIVE_METHODS = ("ngram",)  # what spec.engine.speculative.method offers, of the engine's methods
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "awq", "gguf", "none")
 # Upper bound of the token counts (context length, step budget): far above any model's, low enough
@@ -212,6 +215,52 @@ class Resources(SpecModel):
     )
 
 
+class SpeculativeDecoding(SpecModel):
+    """Speculative decoding (`kvpilot serve --speculative-config`, vLLM's keys): the engine proposes a few
+    tokens per step and the model verifies them in one forward; output is unchanged, decode is faster
+    at small batches. See docs/speculative.md."""
+
+    method: str = Field(
+        default="ngram", max_length=16,
+        description="How tokens are proposed: ngram (prompt lookup: the continuation of an earlier occurrence "
+        "of the text's last few tokens; no extra model).",
+    )
+    num_speculative_tokens: int = Field(
+        default=4, ge=1, le=MAX_NUM_SPECULATIVE_TOKENS,
+        description="Tokens proposed per request per step (changes live through the engine's admin API).",
+    )
+    prompt_lookup_max: int | None = Field(
+        default=None, ge=1, le=64, description="ngram: longest tail matched. Unset: the engine's default (4)."
+    )
+    prompt_lookup_min: int | None = Field(
+        default=None, ge=1, le=64, description="ngram: shortest tail matched. Unset: the engine's default (2)."
+    )
+    disable_by_batch_size: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="Speculate only in steps with at most this many running requests. Unset: the engine's "
+        "default (4).",
+    )
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.method in ['ngram']",
+            message="engine.speculative.method must be ngram",
+            check=lambda s: s.method in SPECULATIVE_METHODS,
+            field_path=".method",
+        ),
+        Rule(
+            cel="!has(self.promptLookupMin) || !has(self.promptLookupMax) || self.promptLookupMin <= self.promptLookupMax",
+            message="engine.speculative.promptLookupMin must be at most promptLookupMax",
+            check=lambda s: s.prompt_lookup_min is None or s.prompt_lookup_max is None
+            or s.prompt_lookup_min <= s.prompt_lookup_max,
+            field_path=".promptLookupMin",
+        ),
+    )
+
+    def engine_config(self) -> dict[str, Any]:
+        """The engine's speculative_config: the same keys in snake_case, unset ones left to the engine."""
+        return self.model_dump(exclude_none=True)
+
+
 class EngineSettings(SpecModel):
     """The engine settings the tuner moves: one type from spec.engine through the tuner and the
     tuning ConfigMap to status.engine. maxNumSeqs and maxNumBatchedTokens reach running engines
@@ -292,6 +341,9 @@ class EngineParams(EngineSettings):
             "tensors stay packed), awq, gguf, or none (dequantize at load)."
         ),
         max_length=8,
+    )
+    speculative: SpeculativeDecoding | None = Field(
+        default=None, description="Speculative decoding. Unset: off (one token per request per step)."
     )
     extra_args: list[str] = Field(
         default_factory=list,

@@ -9,7 +9,7 @@ async_engine.py. Endpoints:
   server is draining for shutdown (so readiness fails first).
 - ``GET /metrics``: Prometheus text exposition (see docs/metrics.md).
 - ``GET /admin/v1/scheduler``, ``POST /admin/v1/scheduler``: read / change
-  ``max_num_seqs`` and ``max_num_batched_tokens`` live, with
+  ``max_num_seqs``, ``max_num_batched_tokens`` and ``num_speculative_tokens`` live, with
   ``Authorization: Bearer <admin token>``; only on the admin port (``--admin-port``),
   which answers nothing else, and only with an admin token configured. The API port
   answers 404 for them, so exposing it (the Service does) never exposes the admin API.
@@ -130,6 +130,14 @@ ADMIN_PATH_PREFIX = "/admin/"
 def _local_port(request: Request) -> int | None:
     server = request.scope.get("server")
     return server[1] if server else None
+
+
+def _limits(stats: Any) -> p.SchedulerLimits:
+    return p.SchedulerLimits(
+        max_num_seqs=stats.max_num_seqs,
+        max_num_batched_tokens=stats.max_num_batched_tokens,
+        num_speculative_tokens=stats.num_speculative_tokens,
+    )
 
 
 def _bearer_token(request: Request) -> str | None:
@@ -354,29 +362,32 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     @app.get(ADMIN_SCHEDULER_PATH)
     async def get_scheduler(request: Request) -> Response:
         require_admin(request)
-        stats = state.async_engine.stats()
-        return _render(p.SchedulerLimits(max_num_seqs=stats.max_num_seqs,
-                                         max_num_batched_tokens=stats.max_num_batched_tokens))
+        return _render(_limits(state.async_engine.stats()))
 
     @app.post(ADMIN_SCHEDULER_PATH)
     async def set_scheduler(body: p.SchedulerLimitsUpdate, request: Request) -> Response:
         require_admin(request)
-        if body.max_num_seqs is None and body.max_num_batched_tokens is None:
-            return _render(error(400, "Give max_num_seqs and/or max_num_batched_tokens to change."))
+        if body.max_num_seqs is None and body.max_num_batched_tokens is None and body.num_speculative_tokens is None:
+            return _render(error(400, "Give max_num_seqs, max_num_batched_tokens and/or num_speculative_tokens "
+                                      "to change."))
         before = state.async_engine.stats()
         try:
-            after = await state.async_engine.set_scheduler_limits(body.max_num_seqs, body.max_num_batched_tokens)
+            after = await state.async_engine.set_scheduler_limits(
+                body.max_num_seqs, body.max_num_batched_tokens, body.num_speculative_tokens
+            )
         except EngineDeadError as exc:
             return _render(error(503, str(exc), code="engine_dead", err_type="server_error"))
         except ValueError as exc:
-            candidates = ("max_num_batched_tokens", "max_num_seqs")
+            candidates = ("max_num_batched_tokens", "max_num_seqs", "num_speculative_tokens")
             return _render(error(400, str(exc), param=param_from_message(str(exc), candidates)))
         logger.info(
             "admin: scheduler limits changed: max_num_seqs %d -> %d, max_num_batched_tokens %d -> %d",
             before.max_num_seqs, after.max_num_seqs, before.max_num_batched_tokens, after.max_num_batched_tokens,
         )  # fmt: skip
-        return _render(p.SchedulerLimits(max_num_seqs=after.max_num_seqs,
-                                         max_num_batched_tokens=after.max_num_batched_tokens))
+        if after.num_speculative_tokens != before.num_speculative_tokens:
+            logger.info("admin: num_speculative_tokens changed: %d -> %d",
+                        before.num_speculative_tokens, after.num_speculative_tokens)
+        return _render(_limits(after))
 
     return app
 

@@ -9,6 +9,7 @@ engine contract are imported here: ``kvpilot --help`` must stay fast.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -50,6 +51,16 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like {{\"method\": \"ngram\"}}, got {text!r}")
     return value
 
 
@@ -104,6 +115,9 @@ SERVE_FLAGS = (
     Flag("enable_prefix_caching", "reuse KV blocks of shared prompt prefixes (default on)", boolean=True),
     Flag("enable_chunked_prefill", "split long prompts across steps (default on)", boolean=True),
     Flag("seed", "engine random seed (default 0)", type=int),
+    Flag("speculative_config", "speculative decoding, vLLM's keys as JSON: {\"method\": \"ngram\", "
+         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, "
+         "\"disable_by_batch_size\": 4} (see docs/speculative.md; default off)", type=json_object, metavar="JSON"),
     Flag("max_waiting_requests", "requests that may wait for a batch slot; beyond it 429 + Retry-After",
          type=positive_int, default=1024),
     Flag("max_request_bytes", "largest request body accepted; beyond it 413 (default 32MiB)", type=parse_size,
@@ -124,7 +138,7 @@ SERVE_FLAGS = (
 ENGINE_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "gpu_memory_utilization",
     "kv_cache_memory", "dtype", "device", "attention_backend", "quantization", "enforce_eager", "enable_prefix_caching",
-    "enable_chunked_prefill", "seed",
+    "enable_chunked_prefill", "seed", "speculative_config",
 )  # fmt: skip
 
 EPILOG = (

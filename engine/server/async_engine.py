@@ -102,6 +102,7 @@ class _Abort:
 class _SetLimits:
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
+    num_speculative_tokens: int | None
     future: asyncio.Future
 
 
@@ -240,14 +241,17 @@ class AsyncLLMEngine:
             self.abort(request_id)
 
     async def set_scheduler_limits(
-        self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None
+        self,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> Any:
-        """Change the engine's limits between steps; returns the stats after the change."""
+        """Change the engine's limits between steps (all or none); returns the stats after the change."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
         assert self._loop is not None, "start() the engine first"
         future = self._loop.create_future()
-        self._enqueue(_SetLimits(max_num_seqs, max_num_batched_tokens, future))
+        self._enqueue(_SetLimits(max_num_seqs, max_num_batched_tokens, num_speculative_tokens, future))
         return await future
 
     def _enqueue(self, command: Any) -> None:
@@ -341,10 +345,17 @@ class AsyncLLMEngine:
             self._resolve(command.future, None)
 
     def _apply_set_limits(self, command: _SetLimits) -> None:
+        before = self.engine.stats()
         try:
             self.engine.set_scheduler_limits(
                 max_num_seqs=command.max_num_seqs, max_num_batched_tokens=command.max_num_batched_tokens
             )
+            if command.num_speculative_tokens is not None:
+                try:
+                    self.engine.set_num_speculative_tokens(command.num_speculative_tokens)
+                except ValueError:
+                    self.engine.set_scheduler_limits(before.max_num_seqs, before.max_num_batched_tokens)
+                    raise
         except ValueError as exc:
             self._resolve(command.future, exc)
             return

@@ -97,7 +97,11 @@ def run_server(args: argparse.Namespace) -> int:
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.server.api_server import DrainingServer, ServerSettings, build_app
 
+    from kvpilot.engine.spec_decode.config import SpeculativeConfig
+
     try:
+        if "speculative_config" in overrides:
+            overrides["speculative_config"] = SpeculativeConfig.from_dict(overrides["speculative_config"])
         config = EngineConfig(model=args.model, **overrides)
         logger.info("loading %s", args.model)
         engine = LLMEngine.from_config(config)
@@ -155,4 +159,6 @@ def _log_engine(engine: Any, served_name: str) -> None:
         resolved.max_num_batched_tokens, "on" if config.enable_prefix_caching else "off",
         "on" if config.enable_chunked_prefill else "off",
     )  # fmt: skip
+    if config.speculative_config is not None:
+        logger.info("speculative decoding: %s", config.speculative_config.to_dict())
     logger.info("serving it as model %r", served_name)

@@ -107,6 +107,42 @@ class EngineStatsCollector(Collector):
             "Running sequences summed over steps (divide by steps for the mean batch size).",
             stats.step_running_seqs_total,
         )
+        if stats.spec_decode is not None:
+            yield from self._spec_decode(stats, gauge, counter)
+
+    def _spec_decode(self, stats: Any, gauge: Callable, counter: Callable) -> Iterator[Metric]:
+        """Speculative decoding, only when the engine runs it (vLLM's vllm:spec_decode_* counters)."""
+        spec = stats.spec_decode
+        yield gauge(
+            names.SPEC_DECODE_NUM_SPECULATIVE_TOKENS,
+            "Tokens proposed per sequence per step (changes live via the admin API; 0 = paused).",
+            stats.num_speculative_tokens,
+        )
+        yield counter(
+            names.SPEC_DECODE_NUM_DRAFTS, "Sequence-steps that verified at least one proposed token.", spec.num_drafts
+        )
+        yield counter(names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Proposed tokens verified.", spec.num_draft_tokens)
+        yield counter(
+            names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Proposed tokens the target model accepted.", spec.num_accepted_tokens
+        )
+        per_pos = CounterMetricFamily(
+            names.counter_base_name(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS),
+            "Accepted proposed tokens by position in the step's proposals (0 = first).",
+            labels=[names.MODEL_NAME_LABEL, names.POSITION_LABEL],
+        )
+        for position, accepted in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([self._model_name, str(position)], accepted)
+        yield per_pos
+        yield gauge(
+            names.SPEC_DECODE_ACCEPTANCE_RATE,
+            "Accepted / verified proposed tokens since start (0-1; 0 before any verification).",
+            spec.acceptance_rate or 0.0,
+        )
+        yield gauge(
+            names.SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH,
+            "Tokens emitted per verifying step of a sequence since start: 1 + accepted / drafts (0 before any).",
+            spec.mean_acceptance_length or 0.0,
+        )
 
 
 class ServerMetrics:

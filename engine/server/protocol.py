@@ -154,6 +154,7 @@ class SchedulerLimitsUpdate(OpenAIModel):
     model_config = ConfigDict(extra="forbid")
     max_num_seqs: Annotated[int, Field(ge=1)] | None = None
     max_num_batched_tokens: Annotated[int, Field(ge=1)] | None = None
+    num_speculative_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 pauses speculative decoding
 
 
 # ---- responses --------------------------------------------------------------
@@ -284,3 +285,4 @@ class ModelList(BaseModel):
 class SchedulerLimits(BaseModel):
     max_num_seqs: int
     max_num_batched_tokens: int
+    num_speculative_tokens: int | None = None  # None: the engine runs without speculative decoding

@@ -13,8 +13,9 @@ from kvpilot.operator.spec import EngineSettings, parse_spec
 
 
 def test_the_admin_api_takes_and_answers_the_live_settings():
-    assert set(protocol.SchedulerLimitsUpdate.model_fields) == set(contract.LIVE_SETTINGS)
-    assert set(protocol.SchedulerLimits.model_fields) == set(contract.LIVE_SETTINGS)
+    assert set(protocol.SchedulerLimitsUpdate.model_fields) == set(contract.ADMIN_SETTINGS)
+    assert set(protocol.SchedulerLimits.model_fields) == set(contract.ADMIN_SETTINGS)
+    assert set(contract.LIVE_SETTINGS) <= set(contract.ADMIN_SETTINGS)
 
 
 def test_the_engine_exports_every_metric_the_operator_reads(engine_metrics_page):

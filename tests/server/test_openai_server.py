@@ -360,6 +360,7 @@ def test_admin_changes_limits_live(live, http):
     admin_http = httpx.Client(base_url=live.admin_url, timeout=60)
     assert admin_http.get("/admin/v1/scheduler", headers=admin).json() == {
         "max_num_seqs": 8, "max_num_batched_tokens": live.engine.resolved.max_num_batched_tokens,
+        "num_speculative_tokens": None,
     }  # fmt: skip
     assert admin_http.post("/admin/v1/scheduler", json={"max_num_seqs": 2}, headers={"Authorization": "Bearer no"}
                            ).status_code == 401  # fmt: skip
