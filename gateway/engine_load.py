@@ -4,9 +4,12 @@ Every ``interval`` the board scrapes each known pod's /metrics (the engine
 contract's gauges: requests running and waiting, KV-cache usage) with a short
 timeout; a pod that does not answer keeps its last reading. The board also
 counts the requests this gateway has in flight to each pod, which it knows at
-once. A pod's load is the larger of the two: the engine's count covers every
-gateway replica's requests but lags by up to one interval; this replica's own
-count never lags. The picker compares these loads (``picker.py``).
+once. A pod's load is this gateway's count now plus what the engine reported
+beyond this gateway's count at that moment (other gateway replicas' requests):
+the engine's figure lags by up to one interval, and taking it whole would count
+a request that just finished here as still running, turning a pod away from
+the very prefixes it has just cached. The picker compares these loads
+(``picker.py``).
 """
 
 from __future__ import annotations
@@ -58,11 +61,19 @@ class LoadBoard:
     def __init__(self) -> None:
         self.scraped: dict[str, EngineLoad] = {}
         self.in_flight: dict[str, int] = {}
+        self.in_flight_at_scrape: dict[str, int] = {}
 
     def load(self, key: str) -> float:
+        own = float(self.in_flight.get(key, 0))
         scraped = self.scraped.get(key)
-        engine = scraped.running + scraped.waiting if scraped is not None else 0.0
-        return max(engine, float(self.in_flight.get(key, 0)))
+        if scraped is None:
+            return own
+        others = scraped.running + scraped.waiting - self.in_flight_at_scrape.get(key, 0)
+        return own + max(0.0, others)
+
+    def record(self, key: str, load: EngineLoad) -> None:
+        self.scraped[key] = load
+        self.in_flight_at_scrape[key] = self.in_flight.get(key, 0)
 
     def candidates(self, backends: Iterable[Backend], exclude: frozenset[str] = frozenset()) -> list[Candidate]:
         return [Candidate(b.key, self.load(b.key), self._kv_cache_usage(b.key))
@@ -86,6 +97,7 @@ class LoadBoard:
         """Drops the readings of pods that are gone (their in-flight counts end with their requests)."""
         for key in [k for k in self.scraped if k not in keys]:
             del self.scraped[key]
+            self.in_flight_at_scrape.pop(key, None)
 
     async def scrape(self, session: aiohttp.ClientSession, backends: Iterable[Backend]) -> None:
         """Reads every backend's gauges at once; failures keep the previous reading."""
@@ -93,7 +105,7 @@ class LoadBoard:
         results = await asyncio.gather(*(self._scrape_one(session, b) for b in backends), return_exceptions=True)
         for backend, result in zip(backends, results):
             if isinstance(result, EngineLoad):
-                self.scraped[backend.key] = result
+                self.record(backend.key, result)
             else:
                 log.debug("scraping %s failed: %r", backend.key, result)
         self.forget_all_but({b.key for b in backends})

@@ -15,8 +15,8 @@ and warms a second cache rather than all of them. Requests with no prefix to
 follow go to the least loaded pod, ties broken by the request's own hash so
 that gateway replicas do not all pick the same pod.
 
-Load is in requests: what the engine reports running and waiting, or what this
-gateway has in flight to it when that is more (``engine_load.py`` says which).
+Load is in requests: what this gateway has in flight to the pod plus what the
+engine last reported beyond that (``engine_load.py``).
 A pod whose KV cache is nearly full counts as over its share too: a new
 request there would preempt a running one.
 """
@@ -24,7 +24,6 @@ request there would preempt a running one.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,8 +68,10 @@ def rendezvous_rank(affinity: bytes, keys: Sequence[str]) -> list[str]:
 
 
 def load_bound(total_load: float, pods: int, load_factor: float) -> float:
-    """Most load one pod may reach with the new request: ceil(load_factor x mean, counting that request)."""
-    return math.ceil(load_factor * (total_load + 1) / pods)
+    """Most load one pod may reach with the new request: load_factor x the mean counting that request, and
+    at least 1. (The paper rounds up; at a few requests per pod that lets one pod take them all while
+    another idles, and each request's wait costs more than a prefix-cache miss saves.)"""
+    return max(1.0, load_factor * (total_load + 1) / pods)
 
 
 def pick(candidates: Sequence[Candidate], affinity: bytes | None, request_hash: bytes,

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,11 +260,15 @@ class Proxy:
                 break
             except aiohttp.ClientError as exc:
                 raise UpstreamBroken(f"engine pod {backend.key} broke off its response: {exc!r}") from exc
-            try:
-                await response.write(chunk)
-            except ConnectionResetError:
-                # The client went away before its handler was cancelled: end it as that cancellation
-                # would (the caller's cleanup closes the upstream; aiohttp drops the connection quietly).
-                raise asyncio.CancelledError from None
-        await response.write_eof()
+            await _to_client(response.write(chunk))
+        await _to_client(response.write_eof())
         return response
+
+
+async def _to_client(write: Awaitable[None]) -> None:
+    """A write to the client; one that went away before its handler was cancelled ends the handler as that
+    cancellation would (the caller's cleanup closes the upstream; aiohttp drops the connection quietly)."""
+    try:
+        await write
+    except ConnectionResetError:
+        raise asyncio.CancelledError from None

@@ -1,4 +1,4 @@
-"""A pod's load: the engine's gauges, or this gateway's own in-flight count when that is more."""
+"""A pod's load: this gateway's requests in flight to it, plus what the engine last reported beyond them."""
 
 from __future__ import annotations
 
@@ -30,21 +30,24 @@ def test_an_exposition_without_the_gauges_reads_as_idle():
     assert (load.running, load.waiting, load.kv_cache_usage) == (0.0, 0.0, None)
 
 
-def test_load_is_the_larger_of_the_engines_count_and_the_requests_in_flight_here():
+def test_load_is_the_requests_in_flight_here_plus_what_others_had_on_the_engine():
     board = LoadBoard()
-    board.scraped["ns/a"] = parse_load(EXPOSITION, at=0.0)
+    board.started("ns/a")
+    board.record("ns/a", parse_load(EXPOSITION, at=0.0))  # 5 on the engine, 1 of them from here
     assert board.load("ns/a") == 5.0
-    for _ in range(7):
+    for _ in range(3):
         board.started("ns/a")
-    assert board.load("ns/a") == 7.0  # sent since the last scrape: the engine has not reported them yet
-    for _ in range(7):
+    assert board.load("ns/a") == 8.0  # sent since the scrape: the engine has not reported them yet
+    for _ in range(4):
         board.finished("ns/a")
-    assert board.load("ns/a") == 5.0 and board.in_flight == {}
+    # Finished here since the scrape: gone at once, not counted until the next scrape.
+    assert board.load("ns/a") == 4.0 and board.in_flight == {}
     assert board.load("ns/unknown") == 0.0
 
 
 def test_gone_pods_are_forgotten():
     board = LoadBoard()
-    board.scraped["ns/a"] = board.scraped["ns/b"] = parse_load(EXPOSITION, at=0.0)
+    board.record("ns/a", parse_load(EXPOSITION, at=0.0))
+    board.record("ns/b", parse_load(EXPOSITION, at=0.0))
     board.forget_all_but({"ns/b"})
-    assert list(board.scraped) == ["ns/b"]
+    assert list(board.scraped) == ["ns/b"] and list(board.in_flight_at_scrape) == ["ns/b"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import Counter
 
 import pytest
@@ -64,7 +63,7 @@ def test_the_owner_keeps_its_prefix_while_within_its_share():
     affinity = _hash("popular system prompt")
     owner = rendezvous_rank(affinity, PODS)[0]
     loads = {k: 4.0 for k in PODS}
-    loads[owner] = 4.0  # mean 4, bound ceil(1.25 * 17 / 4) = 6: room for one more
+    loads[owner] = 4.0  # mean 4, bound 1.25 * 17 / 4 = 5.3: room for one more
     assert pick([Candidate(k, v) for k, v in loads.items()], affinity, b"r").key == owner
 
 
@@ -76,10 +75,12 @@ def test_a_stream_of_one_prefix_never_puts_more_than_the_bound_on_a_pod():
     for i in range(200):
         total = sum(loads.values())
         chosen = pick([Candidate(k, v) for k, v in loads.items()], affinity, _hash(str(i)), policy).key
-        assert loads[chosen] + 1 <= load_bound(total, len(PODS), policy.load_factor)
+        # Within the bound, or (when no pod is) the least loaded.
+        assert loads[chosen] + 1 <= load_bound(total, len(PODS), policy.load_factor) \
+            or loads[chosen] == min(loads.values())
         loads[chosen] += 1
     # No pod ends over 1.25 x the mean; the prefix's first pods are full, the last takes the rest.
-    assert max(loads.values()) <= math.ceil(1.25 * 200 / len(PODS))
+    assert max(loads.values()) <= 1.25 * 200 / len(PODS) + 1
     assert loads[rendezvous_rank(affinity, PODS)[0]] == max(loads.values())
 
 
