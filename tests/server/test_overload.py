@@ -26,10 +26,12 @@ OVERLOAD_SECONDS = float(os.environ.get("KVPILOT_OVERLOAD_SECONDS", "10"))
 MAX_NUM_SEQS = 4
 MAX_WAITING = 8
 BODY = {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
-# An admitted request waits behind at most MAX_WAITING others, served MAX_NUM_SEQS at a time. The slack
-# covers a 2-core machine where the load generator shares the cores (and the GIL) with the server; an
-# unbounded queue at 3x capacity would grow its wait by 2 s every second instead.
-LATENCY_SLACK = 6.0
+# An admitted request waits behind at most MAX_WAITING others, served MAX_NUM_SEQS at a time, each round
+# as long as a request at capacity. The slack covers what the overload itself costs on a 2-core machine:
+# the load generator and the server's HTTP handling (a hundred requests a second, half of them shed)
+# share the cores and the GIL with the engine thread, so steps slow down. An unbounded queue at 3x
+# capacity would grow its wait by 2 s every second instead.
+LATENCY_SLACK = 10.0
 
 
 @pytest.fixture(scope="module")
