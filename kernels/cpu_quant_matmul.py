@@ -11,6 +11,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -58,32 +59,43 @@ def bind(
     kernel = load_kernel(dtype, bits=bits, group_size=group_size) if dtype in DTYPE_CODES else None
     if kernel is None:
         raise ValueError(f"no CPU quantized-matmul kernel for {dtype} activations; check usable() first")
-    return BoundKernel(kernel, codes, scales, offsets, n, k, dtype)
+    return BoundKernel(kernel, codes, scales, offsets, n, k, dtype, group_size)
 
 
 class BoundKernel:
-    __slots__ = ("_kernel", "_tensors", "_pointers", "n", "k", "dtype")
+    __slots__ = ("_kernel", "_tensors", "_pointers", "_needs_xsum", "n", "k", "dtype", "group_size")
 
-    def __init__(self, kernel: ctypes._CFuncPtr, codes: torch.Tensor, scales: torch.Tensor,
-                 offsets: torch.Tensor | None, n: int, k: int, dtype: torch.dtype) -> None:
+    def __init__(self, kernel: Kernel, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 n: int, k: int, dtype: torch.dtype, group_size: int) -> None:
         self._kernel = kernel
         self._tensors = (codes, scales, offsets)  # held: the kernel reads them through raw pointers
         self._pointers = (codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr())
-        self.n, self.k, self.dtype = n, k, dtype
+        self._needs_xsum = kernel.x_bf16 and offsets is not None
+        self.n, self.k, self.dtype, self.group_size = n, k, dtype, group_size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if x.shape[1:] != (self.k,) or x.dtype != self.dtype or x.device.type != "cpu":
             raise ValueError(f"x must be [M, {self.k}] {self.dtype} on the CPU, got {tuple(x.shape)} {x.dtype} "
                              f"{x.device}")
-        x32 = x.float().contiguous()  # [M, K]: converted once, read by every output feature
-        out = torch.empty(x.shape[0], self.n, dtype=self.dtype)
-        if x.shape[0]:
-            self._kernel(x32.data_ptr(), *self._pointers, out.data_ptr(), x.shape[0], self.n, self.k)
+        m = x.shape[0]
+        # [M, K], read by every output feature: as it is (bfloat16 builds) or converted to float32 once.
+        x_in = x.contiguous() if self._kernel.x_bf16 else x.float().contiguous()
+        # [M, K // group_size]: x summed per group, for the offsets (x_bf16 builds only).
+        xsum = x_in.float().view(m, -1, self.group_size).sum(-1) if self._needs_xsum else None
+        out = torch.empty(m, self.n, dtype=self.dtype)
+        if m:
+            self._kernel.function(x_in.data_ptr(), None if xsum is None else xsum.data_ptr(), *self._pointers,
+                                  out.data_ptr(), m, self.n, self.k)  # fmt: skip
         return out
 
 
+class Kernel(NamedTuple):
+    function: ctypes._CFuncPtr
+    x_bf16: bool  # the build reads bfloat16 x as it is (AVX-512 BF16); else float32 x (and no xsum)
+
+
 @functools.cache
-def load_kernel(dtype: torch.dtype, *, bits: int, group_size: int) -> ctypes._CFuncPtr | None:
+def load_kernel(dtype: torch.dtype, *, bits: int, group_size: int) -> Kernel | None:
     """The kernel for this output dtype, bit width and group size; None (after one warning) when it
     cannot be built, in which case callers multiply through the reference."""
     try:
@@ -91,8 +103,9 @@ def load_kernel(dtype: torch.dtype, *, bits: int, group_size: int) -> ctypes._CF
     except KernelBuildError as exc:
         logger.warning("quantized matmul on the CPU falls back to dequantize-then-matmul (slower): %s", exc)
         return None
-    kernel = library.kvpilot_quant_matmul
+    function = library.kvpilot_quant_matmul
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernel.restype = None
-    kernel.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]  # x, codes, scales, offsets, out, m, n, k
-    return kernel
+    function.restype = None
+    function.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]  # x, xsum, codes, scales, offsets, out, m, n, k
+    x_bf16 = bool(ctypes.c_int.in_dll(library, "kvpilot_quant_matmul_x_bf16").value)
+    return Kernel(function, x_bf16)
