@@ -107,3 +107,22 @@ def test_helm_lint_is_clean_with_the_gateway():
     result = subprocess.run([_helm(), "lint", "--strict", str(CHART), "--set", "gateway.enabled=true",
                              "--set", "gateway.hostPort=8000"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_engines_network_policy_admits_the_gateway():
+    docs = _render("--set", "gateway.enabled=true", "--set", "networkPolicy.enabled=true",
+                   "--set", "networkPolicy.namespaces={ml}",
+                   "--set-json", 'networkPolicy.apiFrom=[{"podSelector":{"matchLabels":{"app":"prometheus"}}}]')
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    api_peers = policy["spec"]["ingress"][0]["from"]
+    gateway = next(d for d in _gateway_docs(docs) if d["kind"] == "Deployment")
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvpilot-system"}},
+            "podSelector": deployment_selector(gateway)} in api_peers
+    without = _render("--set", "networkPolicy.enabled=true", "--set", "networkPolicy.namespaces={ml}",
+                      "--set-json", 'networkPolicy.apiFrom=[{"podSelector":{"matchLabels":{"app":"x"}}}]')
+    (policy,) = [d for d in without if d["kind"] == "NetworkPolicy"]
+    assert len(policy["spec"]["ingress"][0]["from"]) == 2  # apiFrom's peer and the operator
+
+
+def deployment_selector(deployment: dict) -> dict:
+    return {"matchLabels": deployment["spec"]["selector"]["matchLabels"]}
