@@ -13,7 +13,7 @@ METRICS_PATH = "/metrics"
 
 # Response headers the gateway adds: which engine pod answered and why it was chosen.
 POD_HEADER = "x-kvpilot-pod"  # NAMESPACE/POD
-ROUTE_REASON_HEADER = "x-kvpilot-route-reason"  # a RouteReason value
+ROUTE_REASON_HEADER = "x-kvpilot-route-reason"  # one of the REASON_* values below
 
 # Label values of ROUTING_DECISIONS' `reason`.
 REASON_PREFIX_AFFINITY = "prefix_affinity"  # the prompt's prefix owner took it

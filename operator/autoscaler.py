@@ -141,7 +141,9 @@ def autoscale(
             history,
         )
     if observation is None:
-        return decide(current, "no metrics from any Ready pod: holding", history)
+        # No Ready pod (at zero, or starting after a wake-up) is no evidence of idleness: the idle
+        # clock of scaleToZeroAfterSeconds starts again once a pod serves.
+        return decide(current, "no metrics from any Ready pod: holding", replace(history, last_active=now))
 
     capacity = measure_capacity(
         observation, replicas.ready, saturated, history.capacity_per_replica, policy.capacity_smoothing

@@ -6,7 +6,8 @@ tests reach it as a user on the host would. Two services, `alpha` and `beta`, se
 generated tiny model from real `kvpilot serve` processes on the CPU. The tests run in
 file order and share the services: routing by model (plain and streamed, through the
 official openai client), then a pod killed under load and a scale-down under load, with
-no failed request that had not started streaming.
+no failed request that had not started streaming; a service at zero replicas woken by its first
+request; and the autoscaler taking an idle service to zero, which a request wakes again.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def gateway_url(cluster, kube, tiny_model_dir) -> str:
         "--set", f"healthPort={OPERATOR_HEALTH_PORT}",
         "--set", f"metricsPort={OPERATOR_HEALTH_PORT + 1}",
         "--set", "resyncSeconds=5",
+        "--set", "tuning.intervalSeconds=5",  # the autoscaler's interval for services that name none
         "--set", "gateway.enabled=true",
         "--set", f"gateway.hostPort={port}",
         "--set", f"gateway.url={url}",
@@ -235,3 +237,22 @@ def test_a_service_at_zero_replicas_answers_its_first_request_after_the_cold_sta
     assert f'{gateway.HELD_REQUESTS}{{model="cold"}} 0.0' in metrics
     print(f"\ncold start from zero replicas to the first completion through the gateway: {cold_start:.1f} s")
     cluster.kubectl("delete", "kvis", "cold", "-n", NS, "--wait=true", "--timeout=60s")
+
+
+def test_autoscaling_takes_an_idle_service_to_zero_and_a_request_wakes_it(cluster, kube, gateway_url,
+                                                                          tiny_model_dir):
+    idle = _service("idle", "idle", tiny_model_dir)
+    idle["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfterSeconds": 30}
+    _apply(cluster, idle)
+    _wait(cluster, lambda: _routable(gateway_url, "idle", 1), ENGINE_READY_S, "idle Ready with 1 replica")
+    assert _complete(gateway_url, "idle", "Hello").status_code == 200
+    _wait(cluster, lambda: kube.get_inference_service(NS, "idle")["spec"]["replicas"] == 0, 180,
+          "the autoscaler to take the idle service to zero")
+    events = cluster.kubectl("get", "events", "-n", NS, "--field-selector",
+                             "involvedObject.kind=InferenceService,involvedObject.name=idle").stdout
+    assert "scaleToZeroAfterSeconds 30" in events
+    _wait(cluster, lambda: _routable(gateway_url, "idle", 0), 60, "the idle service's pod to go")
+    response = _complete(gateway_url, "idle", "Wake up", timeout=ENGINE_READY_S)  # held while it wakes
+    assert response.status_code == 200, response.text
+    assert kube.get_inference_service(NS, "idle")["spec"]["replicas"] == 1
+    cluster.kubectl("delete", "kvis", "idle", "-n", NS, "--wait=true", "--timeout=60s")

@@ -74,3 +74,13 @@ def test_scale_to_zero_after_seconds_needs_min_replicas_zero():
     spec = parse_spec({"model": {"uri": "pvc://m"}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2,
                                                                     "scaleToZeroAfterSeconds": 60}})
     assert spec.autoscaling.scale_to_zero_after_seconds == 60
+
+
+def test_a_woken_replica_gets_the_whole_idle_time_before_it_goes_again():
+    """Idle long before it went to zero; the gateway woke it; its first windows show no request yet."""
+    policy = ScalingPolicy(min_replicas=0, max_replicas=2, scale_to_zero_after_seconds=90.0)
+    history = ScalingHistory(observed_since=0.0, last_active=0.0)
+    at_zero = autoscale(None, ReplicaState(0, 0), policy, history, 600.0, saturated=False)
+    woken = autoscale(None, ReplicaState(1, 0), policy, at_zero.history, 630.0, saturated=False)  # starting
+    first_window = autoscale(_idle(1), ReplicaState(1, 1), policy, woken.history, 660.0, saturated=False)
+    assert first_window.replicas == 1 and "idle 30 s of the 90 s" in first_window.reason
