@@ -58,6 +58,7 @@ def parse_args() -> argparse.Namespace:
                         "its last one ends")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--kv-cache-memory", default="64MiB", help="per replica: about half the groups' prefixes")
+    parser.add_argument("--load-factor", type=float, default=1.25, help="the gateway's --load-factor")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
@@ -103,9 +104,10 @@ def start_engines(model: Path, args: argparse.Namespace) -> list[ServerProcess]:
     return engines
 
 
-def start_gateway(engines: list[ServerProcess]) -> ServerProcess:
+def start_gateway(engines: list[ServerProcess], args: argparse.Namespace) -> ServerProcess:
     port = free_port()
-    command = [sys.executable, "-P", str(HERE / "routing_gateway.py"), "--port", str(port), "--model", SERVED_NAME]
+    command = [sys.executable, "-P", str(HERE / "routing_gateway.py"), "--port", str(port), "--model", SERVED_NAME,
+               "--load-factor", str(args.load_factor)]
     for engine in engines:
         command += ["--backend", engine.url]
     gateway = ServerProcess("routing-gateway", command, port)
@@ -171,7 +173,7 @@ def run(system: str, repeat: int, model: Path, prompts: list[str], args: argpars
     gateway = None
     try:
         if system == "gateway":
-            gateway = start_gateway(engines)
+            gateway = start_gateway(engines, args)
             targets = [gateway.url]
         else:
             targets = [engine.url for engine in engines]
@@ -225,7 +227,8 @@ def main() -> None:
     prompts = workload(args)
     print(f"model {model}; {args.groups} groups x {args.requests_per_group} requests, {args.prefix_words}-word "
           f"prefixes; concurrency {args.concurrency}; {args.output_tokens} output tokens; "
-          f"KV cache {args.kv_cache_memory} per replica; {os.cpu_count()} cores", flush=True)
+          f"KV cache {args.kv_cache_memory} per replica; gateway load factor {args.load_factor}; "
+          f"{os.cpu_count()} cores", flush=True)
     results = []
     for repeat in range(args.repeat):
         order = ("gateway", "round-robin") if repeat % 2 == 0 else ("round-robin", "gateway")
