@@ -1,0 +1,163 @@
+"""Operator faults on the local control plane: the operator SIGKILLed at random points of a reconcile,
+children deleted and edited by hand. Every time the service converges to its spec, with one child
+of each kind and its state (the engines' admin token, the tuning ConfigMap) kept.
+
+One operator replica without leader election, so a killed pod is replaced at once; its engine is a
+real `kvpilot serve` on the tiny model. CI kills it 3 times; KVPILOT_FAULT_KILLS=20 for the long form.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpilot.localcluster.testing import wait_until
+from kvpilot.operator import builders, crd
+from kvpilot.operator.kube import Kube
+
+pytestmark = pytest.mark.e2e
+
+NS = "kvpilot-faults"
+RELEASE = "flt"
+NAME = "steady"
+OPERATOR_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
+KILLS = int(os.environ.get("KVPILOT_FAULT_KILLS", "3"))
+CONVERGE_S = 240  # an engine restart loads torch and the model on 2 shared cores
+CHILDREN = (("apps/v1", "Deployment", NAME), ("v1", "Service", NAME),
+            ("v1", "ConfigMap", builders.tuning_configmap_name(NAME)), ("v1", "Secret", builders.admin_secret_name(NAME)))
+
+
+@pytest.fixture(scope="module")
+def cluster(local_cluster):
+    return local_cluster
+
+
+@pytest.fixture(scope="module")
+def kube(cluster) -> Kube:
+    return Kube(cluster.api_client())
+
+
+@pytest.fixture(scope="module")
+def steady(cluster, kube, tiny_model_dir):
+    cluster.kubectl("create", "namespace", NS)
+    cluster.helm(
+        "install", RELEASE, str(crd.REPO_ROOT / "charts" / "kvpilot"), "--namespace", NS,
+        "--set", "rbac.scope=namespaced", "--set", "leaderElection.enabled=false",
+        "--set", "engine.bindPodIP=true", "--set", "bindPodIP=true",
+        "--set", "engine.shutdownGraceSeconds=2", "--set", "engine.drainSeconds=1",
+        "--set", "engine.startupSeconds=600", "--set", "resyncSeconds=5",
+        "--set", "healthPort=18511", "--set", "metricsPort=18512",
+    )
+    manifest = yaml.safe_load((crd.REPO_ROOT / "examples" / "local-cpu.yaml").read_text())
+    manifest["metadata"] = {"name": NAME, "namespace": NS}
+    manifest["spec"]["model"]["uri"] = f"file://{Path(tiny_model_dir).resolve()}"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    _converged(cluster, kube, "16")
+    yield
+    cluster.kubectl("delete", "kvis", NAME, "-n", NS, "--wait=true", "--timeout=60s", check=False)
+    cluster.helm("uninstall", RELEASE, "--namespace", NS, "--wait", check=False)
+    cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+
+
+def _ready(obj: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in (obj.get("status") or {}).get("conditions", []))
+
+
+def _children_once(kube) -> dict[str, dict]:
+    """Each child kind exactly once among the objects labeled for the service."""
+    selector = f"{builders.INSTANCE_LABEL}={NAME}"
+    found = {}
+    for api_version, kind, name in CHILDREN:
+        objects = [o for o in kube.list(api_version, kind, NS, label_selector=selector)
+                   if not o["metadata"].get("deletionTimestamp")]
+        assert [o["metadata"]["name"] for o in objects] in ([], [name]), f"duplicate {kind}: {objects}"
+        if objects:
+            found[kind] = objects[0]
+    return found
+
+
+def _converged(cluster, kube, max_num_seqs: str) -> dict[str, dict]:
+    """Waits until the service serves its spec: Ready, at its generation, children all there once,
+    the Deployment at one replica of --max-num-seqs ``max_num_seqs`` and its one pod of that template
+    Ready; returns the children."""
+    def converged():
+        kvis = kube.get_inference_service(NS, NAME) or {}
+        status = kvis.get("status") or {}
+        children = _children_once(kube)
+        if len(children) < len(CHILDREN) or not _ready(kvis):
+            return None
+        if status.get("observedGeneration") != kvis["metadata"]["generation"]:
+            return None
+        deployment = children["Deployment"]
+        if _max_num_seqs(deployment["spec"]["template"]) != max_num_seqs or deployment["spec"]["replicas"] != 1:
+            return None
+        # The rollout is done: one engine pod, of this template, serving.
+        pods = [p for p in kube.list("v1", "Pod", NS, label_selector=builders.selector_string(NAME))
+                if not p["metadata"].get("deletionTimestamp")]
+        if len(pods) != 1 or not _ready(pods[0]) or _max_num_seqs(pods[0]) != max_num_seqs:
+            return None
+        return children
+
+    try:
+        return wait_until(converged, CONVERGE_S, f"{NAME} converged at maxNumSeqs {max_num_seqs}", interval=0.5)
+    except AssertionError as exc:
+        state = cluster.kubectl("get", "kvis,deploy,pods,svc,cm,secret", "-n", NS, "-o", "wide", check=False)
+        raise AssertionError(f"{exc}\n{state.stdout}") from None
+
+
+def _max_num_seqs(pod_or_template: dict) -> str:
+    args = pod_or_template["spec"]["containers"][0]["args"]
+    return args[args.index("--max-num-seqs") + 1]
+
+
+def _operator_pod(kube) -> str:
+    def running():
+        pods = [p for p in kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
+                if not p["metadata"].get("deletionTimestamp") and _ready(p)]
+        return pods[0]["metadata"]["name"] if len(pods) == 1 else None
+
+    return wait_until(running, 120, "one ready operator pod", interval=0.5)
+
+
+def test_the_operator_killed_at_random_points_of_a_reconcile_converges_every_time(cluster, kube, steady, capsys):
+    rng = random.Random(0)
+    before = _children_once(kube)
+    token = before["Secret"]["data"]
+    tuning = before["ConfigMap"]["data"]
+    times = []
+    for kill in range(KILLS):
+        value = str(17 + kill)
+        victim = _operator_pod(kube)
+        cluster.kubectl("patch", "kvis", NAME, "-n", NS, "--type", "merge",
+                        "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": int(value)}}}))
+        time.sleep(rng.uniform(0.0, 2.0))  # somewhere in the reconcile the edit started
+        cluster.kubectl("delete", "pod", victim, "-n", NS, "--grace-period=0", "--force")
+        start = time.monotonic()
+        children = _converged(cluster, kube, value)
+        times.append(time.monotonic() - start)
+        assert _operator_pod(kube) != victim
+        assert children["Secret"]["data"] == token  # the engines' admin token is never regenerated
+        assert json.loads(children["ConfigMap"]["data"]["tuning.json"]) == {"maxNumSeqs": int(value)}
+        assert set(children["ConfigMap"]["data"]) == set(tuning)
+    with capsys.disabled():
+        print(f"\nfaults: {KILLS} SIGKILLs of the operator mid-reconcile, converged after "
+              f"{', '.join(f'{t:.0f}' for t in times)} s")
+
+
+def test_children_deleted_or_edited_by_hand_are_restored(cluster, kube, steady):
+    children = _children_once(kube)
+    value = _max_num_seqs(children["Deployment"]["spec"]["template"])
+    cluster.kubectl("delete", "service", NAME, "-n", NS)
+    cluster.kubectl("scale", "deployment", NAME, "-n", NS, "--replicas=3")  # drift from spec.replicas
+    cluster.kubectl("label", "configmap", builders.tuning_configmap_name(NAME), "-n", NS,
+                    f"{builders.INSTANCE_LABEL}=someone-else", "--overwrite")  # drift in a label it owns
+    restored = _converged(cluster, kube, value)
+    assert restored["Service"]["metadata"]["uid"] != children["Service"]["metadata"]["uid"]
+    assert restored["Deployment"]["spec"]["replicas"] == 1
+    assert restored["ConfigMap"]["metadata"]["labels"][builders.INSTANCE_LABEL] == NAME
