@@ -72,8 +72,9 @@ static inline __attribute__((always_inline)) void feature_rows(
             const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 #else
             const int8_t *codes = (const int8_t *)row + g * GROUP_SIZE + c * 32;
-            const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
-            const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+            const __m128i *pair = (const __m128i *)codes; /* inputs 0-15, then 16-31 */
+            const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pair)));
+            const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pair + 1)));
 #endif
             const __m512bh w = _mm512_cvtne2ps_pbh(high, low); /* inputs 0-15 low, 16-31 high, as x */
             for (int r = 0; r < rows; ++r)
@@ -126,7 +127,8 @@ static inline __attribute__((always_inline)) void feature_rows(
         __m512 part[ROW_TILE];
         for (int r = 0; r < rows; ++r) part[r] = _mm512_setzero_ps();
         for (int c = 0; c < GROUP_SIZE / 16; ++c) {
-            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + c * 16))));
+            const __m128i sixteen = _mm_loadu_si128((const __m128i *)(codes + c * 16));
+            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sixteen));
             for (int r = 0; r < rows; ++r) part[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xg + r * k + c * 16), part[r]);
         }
         for (int r = 0; r < rows; ++r) acc[r] = _mm512_fmadd_ps(part[r], scale, acc[r]);
