@@ -123,7 +123,9 @@ class EngineStatsCollector(Collector):
         )
         yield counter(names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Proposed tokens verified.", spec.num_draft_tokens)
         yield counter(
-            names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Proposed tokens the target model accepted.", spec.num_accepted_tokens
+            names.SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+            "Proposed tokens the target model accepted.",
+            spec.num_accepted_tokens,
         )
         per_pos = CounterMetricFamily(
             names.counter_base_name(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS),

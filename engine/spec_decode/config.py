@@ -62,7 +62,8 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, Mapping):
             raise SpeculativeConfigError(
-                f"speculative_config: expected a mapping like {{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}, "
+                "speculative_config: expected a mapping like "
+                f"{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}, "
                 f"got {type(value).__name__}"
             )
         known = [f.name for f in fields(cls)]

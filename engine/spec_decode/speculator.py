@@ -71,7 +71,8 @@ class Speculator:
         """Change k live (0 pauses speculation); the next proposals obey it."""
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NUM_SPECULATIVE_TOKENS:
             raise ValueError(
-                f"num_speculative_tokens: must be an integer from 0 (off) to {MAX_NUM_SPECULATIVE_TOKENS}, got {value!r}"
+                f"num_speculative_tokens: must be an integer from 0 (off) to {MAX_NUM_SPECULATIVE_TOKENS}, "
+                f"got {value!r}"
             )
         self.num_speculative_tokens = value
         self._num_positions = max(self._num_positions, value)
