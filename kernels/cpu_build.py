@@ -22,7 +22,10 @@ import torch
 
 # cpu_elem.h's element types, chosen with -DDTYPE.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# Linked without -ffast-math: GCC before 13 links crtfastmath.o into a -ffast-math shared library,
+# and loading it would flush subnormal floats to zero in the whole process (torch and NumPy too).
+LINK_FLAGS = ("-shared", "-fopenmp")
 LIBS = ("-lm",)  # with libmvec: the vectorised expf that -ffast-math loops call
 
 
@@ -40,10 +43,10 @@ def load_library(source: Path, defines: dict[str, int]) -> ctypes.CDLL:
             f"no working C compiler {compiler!r} for the CPU kernels ({exc}); "
             "install gcc (apt-get install gcc) or point $CC at one"
         ) from None
-    flags = [*FLAGS, *(f"-D{name}={value}" for name, value in defines.items())]
+    flags = [*COMPILE_FLAGS, *(f"-D{name}={value}" for name, value in defines.items())]
     sources = [source, *sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        b"\0".join([*(s.read_bytes() for s in sources), version.encode(), " ".join(flags).encode(),
+        b"\0".join([*(s.read_bytes() for s in sources), version.encode(), " ".join(flags + [*LINK_FLAGS]).encode(),
                     _cpu_flags().encode()])
     ).hexdigest()[:16]
     cache = Path(os.environ.get("KVPILOT_KERNEL_CACHE") or Path.home() / ".cache" / "kvpilot" / "kernels")
@@ -53,10 +56,14 @@ def load_library(source: Path, defines: dict[str, int]) -> ctypes.CDLL:
         # Built under a temporary name and renamed: concurrent engines never load a half-written file.
         fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
         os.close(fd)
-        build = subprocess.run([compiler, *flags, "-o", tmp, str(source), *LIBS], capture_output=True, text=True)
-        if build.returncode != 0:
-            os.unlink(tmp)
-            raise KernelBuildError(f"compiling {source.name} with {compiler} failed:\n{build.stderr.strip()}")
+        obj = tmp[:-3] + ".o"
+        for step in ([compiler, *flags, "-c", "-o", obj, str(source)], [compiler, *LINK_FLAGS, "-o", tmp, obj, *LIBS]):
+            build = subprocess.run(step, capture_output=True, text=True)
+            if build.returncode != 0:
+                for path in (tmp, obj):
+                    Path(path).unlink(missing_ok=True)
+                raise KernelBuildError(f"compiling {source.name} with {compiler} failed:\n{build.stderr.strip()}")
+        os.unlink(obj)
         os.replace(tmp, library)
     return ctypes.CDLL(str(library))
 
