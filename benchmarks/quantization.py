@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -39,22 +38,6 @@ from serving_common import MODEL_CACHE, benchmark_model
 
 BATCHES = (1, 4, 8)
 PROMPT_TOKENS = 32
-PASSAGE = """\
-The old lighthouse stood at the end of a narrow spit of rock, a mile from the nearest house. For
-more than a hundred years its lamp had turned through the night, warning ships away from the reef
-that lay hidden beneath the grey water. The keepers who lived there kept a careful log of every
-storm, every passing vessel and every repair they made to the great glass lens. In winter the wind
-came straight from the north, and waves broke over the gallery rail so hard that the whole tower
-seemed to shake. In summer the sea was calm and blue, and children from the village rowed out to
-bring the keepers fresh bread, letters and news from the mainland.
-When the lamp was finally automated, the last keeper packed his books and his tools into a small
-wooden boat and rowed back to the harbour. He said that he would miss the silence most of all, and
-the way the light swept across the water, steady and patient, as if it were counting the hours
-until morning. Today the tower is a museum. Visitors climb the spiral stairs, read the old logs
-behind glass, and look out over the same reef that so many sailors feared. On a clear day you can
-see the coast of the next island, and on a stormy night you can still watch the beam turn slowly
-in the dark, as it has done for generations.
-"""
 GOALS = {"weight memory": 0.3, "decode": 1.5, "perplexity": 0.03}
 
 
@@ -112,14 +95,15 @@ def worker(name: str, path: str, quantization: str, args: argparse.Namespace) ->
 
     from kvpilot.engine import LLM, SamplingParams
     from kvpilot.engine.models import load_model, load_tokenizer
+    from kvpilot.engine.scoring import EVAL_PASSAGE, perplexity, sequence_logits
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model = load_model(path, torch.bfloat16, "cpu", quantization=quantization)
     load_s = time.perf_counter() - started
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    tokens = load_tokenizer(path)(PASSAGE).input_ids
-    ppl = perplexity(model, tokens)
+    tokens = load_tokenizer(path)(EVAL_PASSAGE).input_ids
+    ppl = perplexity(sequence_logits(model, tokens), tokens)
     del model
 
     llm = LLM(path, dtype="bfloat16", device="cpu", quantization=quantization, max_num_seqs=max(BATCHES),
@@ -144,27 +128,6 @@ def decode_tokens_per_second(llm, tokens: list[int], batch: int, decode_tokens: 
         engine.step()
         produced += batch
     return produced / (time.perf_counter() - started)
-
-
-def perplexity(model, tokens: list[int]) -> float:
-    import torch
-
-    from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
-
-    arch, block_size, n = model.arch, 16, len(tokens)
-    num_blocks = -(-n // block_size)
-    kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=model.dtype)
-                 for _ in range(arch.num_layers)]
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None], slot_mapping=torch.arange(n),
-        max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(tokens), torch.arange(n), kv_caches, metadata, get_attention_backend("torch"))
-        logits = model.compute_logits(hidden)
-    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(tokens[1:]))
-    return math.exp(nll.item())
 
 
 # ----------------------------------------------------------------------------------- the run

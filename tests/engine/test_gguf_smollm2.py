@@ -9,14 +9,13 @@ BLAS builds without letting a wrong weight, a mis-ordered RoPE row or a tokenize
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.models import load_model, load_tokenizer
+from kvpilot.engine.scoring import EVAL_PASSAGE as PASSAGE
+from kvpilot.engine.scoring import perplexity, sequence_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -35,23 +34,6 @@ PROMPTS = [
 ]
 CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
-# Written for this test (plain English, no special tokens): about 300 tokens.
-PASSAGE = """\
-The old lighthouse stood at the end of a narrow spit of rock, a mile from the nearest house. For
-more than a hundred years its lamp had turned through the night, warning ships away from the reef
-that lay hidden beneath the grey water. The keepers who lived there kept a careful log of every
-storm, every passing vessel and every repair they made to the great glass lens. In winter the wind
-came straight from the north, and waves broke over the gallery rail so hard that the whole tower
-seemed to shake. In summer the sea was calm and blue, and children from the village rowed out to
-bring the keepers fresh bread, letters and news from the mainland.
-When the lamp was finally automated, the last keeper packed his books and his tools into a small
-wooden boat and rowed back to the harbour. He said that he would miss the silence most of all, and
-the way the light swept across the water, steady and patient, as if it were counting the hours
-until morning. Today the tower is a museum. Visitors climb the spiral stairs, read the old logs
-behind glass, and look out over the same reef that so many sailors feared. On a clear day you can
-see the coast of the next island, and on a stormy night you can still watch the beam turn slowly
-in the dark, as it has done for generations.
-"""
 
 
 
@@ -75,41 +57,6 @@ def hf_model(smollm2_gguf):
 def prompt_ids(hf_tokenizer) -> list[list[int]]:
     chat = hf_tokenizer.apply_chat_template(CHAT_PROMPT, tokenize=False, add_generation_prompt=True)
     return [hf_tokenizer(text).input_ids for text in [*PROMPTS, chat]]
-
-
-def engine_logits(model, tokens: list[int], chunk: int = 96) -> torch.Tensor:
-    """kvpilot's logits [len(tokens), vocab] for one sequence, prefilled chunk by chunk through a paged
-    KV cache with the torch attention backend (the engine's CPU path)."""
-    arch, block_size = model.arch, 16
-    num_blocks = -(-len(tokens) // block_size)
-    kv_caches = [
-        torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=model.dtype)
-        for _ in range(arch.num_layers)
-    ]
-    backend, logits = get_attention_backend("torch"), []
-    for start in range(0, len(tokens), chunk):
-        new = tokens[start : start + chunk]
-        seq_len = start + len(new)
-        metadata = AttentionMetadata(
-            query_start_loc=torch.tensor([0, len(new)], dtype=torch.int32),
-            seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-            slot_mapping=torch.arange(start, seq_len, dtype=torch.int64),
-            max_query_len=len(new),
-            max_seq_len=seq_len,
-            query_start_loc_cpu=[0, len(new)],
-            seq_lens_cpu=[seq_len],
-        )
-        with torch.inference_mode():
-            hidden = model(torch.tensor(new), torch.arange(start, seq_len), kv_caches, metadata, backend)
-            logits.append(model.compute_logits(hidden))
-    return torch.cat(logits)
-
-
-def perplexity(logits: torch.Tensor, tokens: list[int]) -> float:
-    """exp(mean negative log-likelihood of each token after the first, given the ones before)."""
-    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(tokens[1:]))
-    return math.exp(nll.item())
 
 
 def test_tokenizer_matches_transformers(smollm2_gguf, hf_tokenizer):
@@ -144,7 +91,7 @@ def test_logits_match_transformers(smollm2_gguf, hf_model, prompt_ids):
     model = load_model(smollm2_gguf, torch.float32, "cpu")
     worst = 0.0
     for tokens in prompt_ids:
-        ours = engine_logits(model, tokens, chunk=5)  # several chunks: cached prefix + new queries
+        ours = sequence_logits(model, tokens, chunk=5)  # several chunks: cached prefix + new queries
         with torch.inference_mode():
             theirs = hf_model(torch.tensor([tokens])).logits[0].float()
         assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
@@ -183,7 +130,7 @@ def test_perplexity_matches_transformers(smollm2_gguf, hf_model, hf_tokenizer):
     tokens = hf_tokenizer(PASSAGE).input_ids
     assert 250 <= len(tokens) <= 400
     model = load_model(smollm2_gguf, torch.float32, "cpu")
-    ours = perplexity(engine_logits(model, tokens), tokens)
+    ours = perplexity(sequence_logits(model, tokens, chunk=96), tokens)
     with torch.inference_mode():
         theirs = perplexity(hf_model(torch.tensor([tokens])).logits[0].float(), tokens)
     print(f"perplexity over {len(tokens)} tokens: kvpilot {ours:.6f}, transformers {theirs:.6f} "

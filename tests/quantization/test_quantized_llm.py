@@ -10,11 +10,11 @@ import torch
 
 from kvpilot.cli import main as kvpilot_main
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.config import ConfigError
 from kvpilot.engine.models import ModelLoadError, load_model
 from kvpilot.engine.quantization.linear import QuantizedLinear
 from kvpilot.engine.quantization.writer import quantize_model
+from kvpilot.engine.scoring import sequence_logits
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,22 +29,6 @@ def awq_dir(request, tiny_model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"awq_{request.param}")
     quantize_model(tiny_model_dirs[request.param], out, group_size=32)
     return out
-
-
-def prompt_logits(model, tokens: list[int]) -> torch.Tensor:  # [len(tokens), vocab] float32
-    arch, block_size = model.arch, 16
-    num_blocks = -(-len(tokens) // block_size)
-    kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=model.dtype)
-                 for _ in range(arch.num_layers)]
-    n = len(tokens)
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None], slot_mapping=torch.arange(n),
-        max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(tokens), torch.arange(n), kv_caches, metadata, get_attention_backend("torch"))
-        return model.compute_logits(hidden)
 
 
 def test_quantize_writes_an_awq_checkpoint(awq_dir):
@@ -83,7 +67,7 @@ def test_packed_and_dequantized_weights_give_the_same_logits_and_greedy_tokens(a
     dense = load_model(awq_dir, torch.float32, "cpu", quantization="none")
     assert isinstance(dense.layers[0].qkv_proj, torch.nn.Parameter)
     for tokens in PROMPTS:
-        torch.testing.assert_close(prompt_logits(packed, tokens), prompt_logits(dense, tokens), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(sequence_logits(packed, tokens), sequence_logits(dense, tokens), atol=1e-4, rtol=1e-4)
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
     kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "kv_cache_memory": 16 << 20}
@@ -101,9 +85,9 @@ def test_bfloat16_packed_model_stays_close_to_float32(awq_dir):
     half.pack_weights_for_cpu(batch_size_hint=8)  # oneDNN packs the dense embedding, leaves the codes alone
     assert isinstance(half.layers[0].qkv_proj, QuantizedLinear)
     for tokens in PROMPTS:
-        expected = prompt_logits(full, tokens)
+        expected = sequence_logits(full, tokens)
         spread = expected.std().item()
-        assert (prompt_logits(half, tokens) - expected).abs().max().item() < 0.1 * spread
+        assert (sequence_logits(half, tokens) - expected).abs().max().item() < 0.1 * spread
 
 
 def test_awq_checkpoint_is_refused_as_gguf_and_plain_folders_as_awq(awq_dir, tiny_model_dir):

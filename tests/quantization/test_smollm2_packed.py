@@ -3,15 +3,13 @@ perplexity as the same file dequantized at load, in a third of the memory."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.models import load_model, load_tokenizer
 from kvpilot.engine.quantization.linear import QuantizedLinear
+from kvpilot.engine.scoring import perplexity, sequence_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -22,21 +20,6 @@ PASSAGE = (
     "beneath the grey water. The keepers who lived there kept a careful log of every storm, every passing vessel "
     "and every repair they made to the great glass lens."
 )
-
-
-def sequence_logits(model, tokens: list[int]) -> torch.Tensor:  # [len(tokens), vocab] float32
-    arch, block_size, n = model.arch, 16, len(tokens)
-    num_blocks = -(-n // block_size)
-    kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=model.dtype)
-                 for _ in range(arch.num_layers)]
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None], slot_mapping=torch.arange(n),
-        max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(tokens), torch.arange(n), kv_caches, metadata, get_attention_backend("torch"))
-        return model.compute_logits(hidden)
 
 
 def test_matrices_stay_packed_in_a_third_of_bfloat16(smollm2_gguf):
@@ -69,8 +52,7 @@ def test_same_perplexity_as_dequantized(smollm2_gguf):
     results = {}
     for quantization in ("gguf", "none"):
         logits = sequence_logits(load_model(smollm2_gguf, torch.float32, "cpu", quantization=quantization), tokens)
-        nll = torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(tokens[1:]))
-        results[quantization] = math.exp(nll.item())
+        results[quantization] = perplexity(logits, tokens)
     print(f"perplexity: packed {results['gguf']:.5f}, dequantized {results['none']:.5f}")
     assert results["gguf"] == pytest.approx(results["none"], rel=1e-4)
     assert results["gguf"] < 50
