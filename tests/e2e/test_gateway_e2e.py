@@ -42,16 +42,6 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(local_cluster):
-    return local_cluster
-
-
-@pytest.fixture(scope="module")
-def kube(cluster) -> Kube:
-    return Kube(cluster.api_client())
-
-
-@pytest.fixture(scope="module")
 def gateway_url(cluster, kube, tiny_model_dir) -> str:
     """The chart with its gateway on a hostPort, and both services applied; the gateway's base URL."""
     port = _free_port()

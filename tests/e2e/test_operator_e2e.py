@@ -42,16 +42,6 @@ LEASE_SECONDS = 15  # the chart's default leaderElection.leaseSeconds
 
 
 @pytest.fixture(scope="module")
-def cluster(local_cluster):
-    return local_cluster
-
-
-@pytest.fixture(scope="module")
-def kube(cluster) -> Kube:
-    return Kube(cluster.api_client())
-
-
-@pytest.fixture(scope="module")
 def operator(cluster, kube):
     """The chart, installed with namespaced RBAC; yields once its operator pod runs."""
     cluster.kubectl("create", "namespace", NS)

@@ -19,7 +19,6 @@ import yaml
 
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
-from kvpilot.operator.kube import Kube
 
 pytestmark = pytest.mark.e2e
 
@@ -31,16 +30,6 @@ KILLS = int(os.environ.get("KVPILOT_FAULT_KILLS", "3"))
 CONVERGE_S = 240  # an engine restart loads torch and the model on 2 shared cores
 CHILDREN = (("apps/v1", "Deployment", NAME), ("v1", "Service", NAME),
             ("v1", "ConfigMap", builders.tuning_configmap_name(NAME)), ("v1", "Secret", builders.admin_secret_name(NAME)))
-
-
-@pytest.fixture(scope="module")
-def cluster(local_cluster):
-    return local_cluster
-
-
-@pytest.fixture(scope="module")
-def kube(cluster) -> Kube:
-    return Kube(cluster.api_client())
 
 
 @pytest.fixture(scope="module")

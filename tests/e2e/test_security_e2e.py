@@ -81,16 +81,6 @@ FORBIDDEN_CALLS = (
 
 
 @pytest.fixture(scope="module")
-def cluster(local_cluster):
-    return local_cluster
-
-
-@pytest.fixture(scope="module")
-def kube(cluster) -> Kube:
-    return Kube(cluster.api_client())
-
-
-@pytest.fixture(scope="module")
 def operator(cluster, kube):
     cluster.kubectl("create", "namespace", NS)
     cluster.helm(

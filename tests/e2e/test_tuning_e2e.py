@@ -38,16 +38,6 @@ ENGINE_READY_S = 240
 SCALE_DOWN_WINDOW_S = 20
 
 
-@pytest.fixture(scope="module")
-def cluster(local_cluster):
-    return local_cluster
-
-
-@pytest.fixture(scope="module")
-def kube(cluster) -> Kube:
-    return Kube(cluster.api_client())
-
-
 def _wait(cluster, kube, predicate, timeout: float, what: str):
     try:
         return wait_until(predicate, timeout, what, interval=0.5)
