@@ -17,12 +17,17 @@ import urllib3
 
 
 class ApiError(RuntimeError):
-    def __init__(self, status: int, method: str, path: str, body: str) -> None:
+    """The API server refused a call (``status``: its HTTP status) or gave no answer (``status`` None:
+    it is down or restarting, or the connection broke), which callers treat as a failed call to retry,
+    as a kubelet keeps its pods running through an API server restart."""
+
+    def __init__(self, status: int | None, method: str, path: str, body: str) -> None:
         try:
             message = json.loads(body).get("message", body)
         except (ValueError, AttributeError):
             message = body
-        super().__init__(f"{method} {path}: HTTP {status}: {message}")
+        answer = "no answer" if status is None else f"HTTP {status}"
+        super().__init__(f"{method} {path}: {answer}: {message}")
         self.status = status
 
 
@@ -45,13 +50,16 @@ class KubeApi:
         ok_missing: bool = False,
     ) -> dict[str, Any] | None:
         """One call; returns the decoded body, or None for 404 when ``ok_missing``."""
-        response = self._pool.request(
-            method,
-            self.server + path + _query_string(query),
-            body=None if body is None else json.dumps(body),
-            headers={"Content-Type": content_type, "Accept": "application/json"},
-            timeout=timeout,
-        )
+        try:
+            response = self._pool.request(
+                method,
+                self.server + path + _query_string(query),
+                body=None if body is None else json.dumps(body),
+                headers={"Content-Type": content_type, "Accept": "application/json"},
+                timeout=timeout,
+            )
+        except urllib3.exceptions.HTTPError as exc:
+            raise ApiError(None, method, path, str(exc)) from exc
         if response.status == 404 and ok_missing:
             return None
         if response.status >= 400:

@@ -1,4 +1,5 @@
-"""`kvpilot local-cluster build|bin-dir|up|down|status|kubeconfig` (argparse only at import)."""
+"""`kvpilot local-cluster build|bin-dir|up|down|status|kubeconfig|stop|start|restart`
+(argparse only at import)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,26 @@ def register(subparsers) -> None:
     add("down", _down, "stop exactly the processes `up` started, and their pods")
     add("status", _status, "report each component as running or crashed")
     add("kubeconfig", _kubeconfig, "print the admin kubeconfig's path")
+    component_help = "etcd, kube-apiserver, kube-controller-manager or kube-scheduler"
+    stop = add(
+        "stop",
+        _stop,
+        "stop one control-plane component, keeping its ports and data (a fault to test against; "
+        "bring it back with `start`)",
+    )
+    stop.add_argument("component", help=component_help)
+    start = add("start", _start, "start a stopped or crashed component on its old ports and wait until it serves")
+    start.add_argument("component", help=component_help)
+    restart = add(
+        "restart",
+        _restart,
+        "stop one control-plane component and start it again on the same ports, with its data "
+        "(etcd's store, the API server's address in every kubeconfig)",
+    )
+    restart.add_argument("component", help=component_help)
+    restart.add_argument(
+        "--down-seconds", type=float, default=0.0, help="how long to leave it stopped (default: 0)"
+    )
 
 
 def _cluster(args):
@@ -118,11 +139,51 @@ def _status(args) -> int:
         print(f"no cluster in {cluster.state.root} (start one with `kvpilot local-cluster up`)")
         return 3
     for status in statuses:
-        print(f"{status.name:<24} {status.health.value:<8} pid {status.pid:<8} log {status.log}")
+        pid = "-" if status.pid is None else status.pid
+        print(f"{status.name:<24} {status.health.value:<8} pid {pid:<8} log {status.log}")
     crashed = [s for s in statuses if s.health is Health.CRASHED]
+    stopped = [s for s in statuses if s.health is Health.STOPPED]
     if crashed:
-        print("crashed: " + ", ".join(s.name for s in crashed) + "; see their logs, then `down` and `up`")
+        print("crashed: " + ", ".join(s.name for s in crashed) + "; see their logs, then `down` and `up` "
+              "(or `start` a control-plane component)")  # fmt: skip
+    if stopped:
+        print("stopped: " + ", ".join(s.name for s in stopped) + "; `start` them to bring them back")
+    return 1 if crashed or stopped else 0
+
+
+def _stop(args) -> int:
+    from kvpilot.localcluster.cluster import ClusterError
+
+    try:
+        was_running = _cluster(args).stop_component(args.component)
+    except ClusterError as exc:
+        print(f"kvpilot local-cluster stop: {exc}", file=sys.stderr)
         return 1
+    print(f"stopped {args.component}" if was_running else f"{args.component} was not running")
+    return 0
+
+
+def _start(args) -> int:
+    from kvpilot.localcluster.cluster import ClusterError
+
+    try:
+        seconds = _cluster(args).start_component(args.component)
+    except ClusterError as exc:
+        print(f"kvpilot local-cluster start: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.component} serving in {seconds:.1f}s")
+    return 0
+
+
+def _restart(args) -> int:
+    from kvpilot.localcluster.cluster import ClusterError
+
+    try:
+        seconds = _cluster(args).restart_component(args.component, args.down_seconds)
+    except (ClusterError, ValueError) as exc:
+        print(f"kvpilot local-cluster restart: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.component} restarted: serving again {seconds:.1f}s after it stopped")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`up`, `down` and `status` of the local cluster: one code path for the CLI and the tests."""
+"""`up`, `down`, `status` of the local cluster, and `stop` / `start` / `restart` of one control-plane
+component (faults for the e2e tests): one code path for the CLI and the tests."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvpilot.localcluster.state import ClusterRecord, ProcessRecord, StateDir
 
 PORT_ATTEMPTS = 4
 READY_TIMEOUT_S = 120.0
+COMPONENT_STOP_S = 15.0  # SIGTERM's grace: the API server drains its requests, etcd closes its store
 
 
 class ClusterError(RuntimeError):
@@ -32,12 +34,13 @@ class ClusterError(RuntimeError):
 class Health(Enum):
     RUNNING = "running"
     CRASHED = "crashed"
+    STOPPED = "stopped"  # by `stop_component`, or `up` has not reached it yet
 
 
 @dataclass(frozen=True)
 class ComponentStatus:
     name: str
-    pid: int
+    pid: int | None  # None when stopped
     health: Health
     log: str
 
@@ -49,16 +52,22 @@ class UpResult:
     seconds: float
 
 
-def component_statuses(record: ClusterRecord) -> list[ComponentStatus]:
-    return [
-        ComponentStatus(
-            p.name,
-            p.pid,
-            Health.RUNNING if processes.is_alive(p.pid, p.start_time) else Health.CRASHED,
-            p.log,
-        )
-        for p in record.processes
-    ]
+def component_statuses(record: ClusterRecord, state: StateDir) -> list[ComponentStatus]:
+    """Every component in start order; one missing from the record is stopped."""
+    recorded = {p.name: p for p in record.processes}
+    statuses = []
+    for name in components.ORDER:
+        p = recorded.get(name)
+        if p is None:
+            statuses.append(ComponentStatus(name, None, Health.STOPPED, str(_log_path(state, name))))
+        else:
+            health = Health.RUNNING if processes.is_alive(p.pid, p.start_time) else Health.CRASHED
+            statuses.append(ComponentStatus(name, p.pid, health, p.log))
+    return statuses
+
+
+def _log_path(state: StateDir, name: str) -> Path:
+    return state.logs / f"{name}.log"
 
 
 def _log_tail(path: Path, lines: int = 15) -> str:
@@ -114,21 +123,20 @@ class LocalCluster:
 
     def status(self) -> list[ComponentStatus] | None:
         record = self.state.read_record()
-        return None if record is None else component_statuses(record)
+        return None if record is None else component_statuses(record, self.state)
 
     def up(self, bin_dir: Path | None = None) -> UpResult:
         started = time.monotonic()
         record = self.state.read_record()
         if record is not None:
-            statuses = component_statuses(record)
-            crashed = [s.name for s in statuses if s.health is Health.CRASHED]
-            if statuses and not crashed and len(statuses) == len(components.ORDER):
+            statuses = component_statuses(record, self.state)
+            down = [f"{s.name} ({s.health.value})" for s in statuses if s.health is not Health.RUNNING]
+            if not down:
                 return UpResult(record, already_running=True, seconds=0.0)
             if any(s.health is Health.RUNNING for s in statuses):
                 raise ClusterError(
-                    f"the cluster in {self.state.root} is partly running (not running: "
-                    f"{', '.join(crashed) or 'some components never started'}); "
-                    "run `kvpilot local-cluster down` first"
+                    f"the cluster in {self.state.root} is partly running (not running: {', '.join(down)}); "
+                    "run `kvpilot local-cluster start COMPONENT` for each, or `kvpilot local-cluster down` first"
                 )
             self.down()  # the control plane of a previous run is gone; stray pod processes go too
 
@@ -160,29 +168,40 @@ class LocalCluster:
 
     def _start(self, name: str, record: ClusterRecord, bin_dir: Path) -> None:
         """Starts one component, retrying with fresh ports if one was taken meanwhile."""
-        log_path = self.state.logs / f"{name}.log"
+        log_path = _log_path(self.state, name)
         for attempt in range(1, PORT_ATTEMPTS + 1):
             for port_name in components.PORTS[name]:
                 record.ports[port_name] = processes.free_port()
             self.state.write_record(record)
             if name == "kube-apiserver":
                 self._write_kubeconfigs(record)
-            command = components.COMMANDS[name](bin_dir, self.state, record.ports)
-            self._say(f"starting {name}")
-            pid, start_time = processes.spawn(command, log_path, cwd=self.state.root)
-            process = ProcessRecord(name, pid, start_time, str(log_path))
-            record.processes.append(process)
-            self.state.write_record(record)
-            outcome = self._wait_healthy(name, process, record.ports)
+            outcome = self._launch(name, record, bin_dir)
             if outcome == "healthy":
                 return
-            record.processes.remove(process)
-            self.state.write_record(record)
             log_text = _log_tail(log_path, 40)
             if "address already in use" in log_text.lower() and attempt < PORT_ATTEMPTS:
                 self._say(f"{name}: a port was taken meanwhile; retrying with new ports")
                 continue
             raise ClusterError(f"{name} {outcome}; last lines of {log_path}:\n{_log_tail(log_path)}")
+
+    def _launch(self, name: str, record: ClusterRecord, bin_dir: Path) -> str:
+        """Spawns ``name`` on the record's ports and waits until it serves; returns the outcome.
+
+        The process is in the record (in start order, so `down` stops it) while it starts, and
+        stays there only if it came up healthy."""
+        log_path = _log_path(self.state, name)
+        command = components.COMMANDS[name](bin_dir, self.state, record.ports)
+        self._say(f"starting {name}")
+        pid, start_time = processes.spawn(command, log_path, cwd=self.state.root)
+        process = ProcessRecord(name, pid, start_time, str(log_path))
+        record.processes.append(process)
+        record.processes.sort(key=lambda p: components.ORDER.index(p.name))
+        self.state.write_record(record)
+        outcome = self._wait_healthy(name, process, record.ports)
+        if outcome != "healthy":
+            record.processes.remove(process)
+            self.state.write_record(record)
+        return outcome
 
     def _wait_healthy(self, name: str, process: ProcessRecord, ports: dict[str, int]) -> str:
         check = _health_check(name, self.state, ports)
@@ -213,7 +232,7 @@ class LocalCluster:
         deadline = time.monotonic() + READY_TIMEOUT_S
         waiting_for = "nodes"
         while time.monotonic() < deadline:
-            crashed = [s for s in component_statuses(record) if s.health is Health.CRASHED]
+            crashed = [s for s in component_statuses(record, self.state) if s.health is Health.CRASHED]
             if crashed:
                 s = crashed[0]
                 raise ClusterError(f"{s.name} crashed; last lines of {s.log}:\n{_log_tail(Path(s.log))}")
@@ -235,6 +254,67 @@ class LocalCluster:
                 waiting_for = f"the API ({exc})"
             time.sleep(0.3)
         raise ClusterError(f"timed out after {READY_TIMEOUT_S:.0f}s waiting for {waiting_for}")
+
+    def stop_component(self, name: str) -> bool:
+        """Stops one control-plane component, keeping its ports, data (etcd's) and certificates, so
+        `start_component` brings it back as it was. Returns whether it was running."""
+        record = self._record_for(name)
+        process = next((p for p in record.processes if p.name == name), None)
+        if process is None:
+            return False
+        was_running = processes.stop(process.pid, process.start_time, timeout=COMPONENT_STOP_S)
+        record.processes.remove(process)
+        self.state.write_record(record)
+        self._say(f"stopped {name}" if was_running else f"{name} had exited already")
+        return was_running
+
+    def start_component(self, name: str) -> float:
+        """Starts a stopped (or crashed) component on its old ports and waits until it serves;
+        returns the seconds that took."""
+        started = time.monotonic()
+        record = self._record_for(name)
+        process = next((p for p in record.processes if p.name == name), None)
+        if process is not None:
+            if processes.is_alive(process.pid, process.start_time):
+                raise ClusterError(f"{name} is already running (pid {process.pid}); use restart to restart it")
+            record.processes.remove(process)  # crashed: start it again
+        outcome = self._launch(name, record, Path(record.bin_dir))
+        if outcome != "healthy":
+            log_path = _log_path(self.state, name)
+            ports = ", ".join(f"{p} {record.ports[p]}" for p in components.PORTS[name])
+            raise ClusterError(
+                f"{name} {outcome} on its old ports ({ports}); last lines of {log_path}:\n{_log_tail(log_path)}"
+            )
+        seconds = time.monotonic() - started
+        self._say(f"{name} serving again after {seconds:.1f}s")
+        return seconds
+
+    def restart_component(self, name: str, down_seconds: float = 0.0) -> float:
+        """Stops ``name``, leaves it down for ``down_seconds``, and starts it again on the same ports;
+        returns the seconds from the stop until it served again."""
+        if down_seconds < 0:
+            raise ValueError(f"down_seconds (--down-seconds) must be 0 or more, got {down_seconds}")
+        began = time.monotonic()
+        self.stop_component(name)
+        time.sleep(down_seconds)
+        self.start_component(name)
+        return time.monotonic() - began
+
+    def _record_for(self, name: str) -> ClusterRecord:
+        """The running cluster's record, once ``name`` is known to be a component one may stop and start."""
+        choices = ", ".join(components.RESTARTABLE)
+        if name == "kubelet":
+            raise ClusterError(
+                "the kubelet stand-in cannot be stopped or started alone: its pods stop with it "
+                f"(restart the whole cluster with `down` and `up`); the components that can: {choices}"
+            )
+        if name not in components.RESTARTABLE:
+            raise ClusterError(f"unknown component {name!r}: the components that can be stopped and started "
+                               f"are {choices}")  # fmt: skip
+        record = self.state.read_record()
+        if record is None:
+            raise ClusterError(f"no cluster in {self.state.root}: start one with `kvpilot local-cluster up`")
+        return record
 
     def down(self) -> list[str]:
         """Stops exactly the processes `up` started (and the pod processes its kubelet ran)."""

@@ -21,6 +21,9 @@ PORTS = {
     "kubelet": ("kubelet",),
 }
 ORDER = tuple(PORTS)
+# What `stop` / `start` / `restart` may take down alone: the control plane. The kubelet stand-in
+# is left out, since its pods stop with it (a real kubelet's containers outlive a restart).
+RESTARTABLE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 
 
 def etcd(bin_dir: Path, state: StateDir, ports: dict[str, int]) -> list[str]:

@@ -5,7 +5,7 @@ Layout (all under one folder, default ``$KVPILOT_CACHE/local-cluster``)::
     cluster.json        ports, bin dir and the processes `up` started (pid + start time)
     kubeconfig          admin kubeconfig: export KUBECONFIG=$(kvpilot local-cluster kubeconfig)
     pki/                CA, serving and client certificates, service-account keys
-    etcd/               etcd's data (wiped by every `up`: the cluster is ephemeral)
+    etcd/               etcd's data (wiped by every `up`: the cluster is ephemeral; kept by `restart etcd`)
     logs/               one log per component, and the kubelet stand-in's
     pods/               per pod: container logs, volumes
     pvcs/               a directory per PersistentVolumeClaim (namespace/claim)

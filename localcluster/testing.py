@@ -111,7 +111,8 @@ class ClusterHandle:
         """Stops everything; returns a description of each process left behind (should be none)."""
         for client in self._api_clients:
             client.close()
-        started = [(p.name, p.pid, p.start_time) for p in self.record.processes]
+        record = self.cluster.state.read_record() or self.record  # a restarted component has a new pid
+        started = [(p.name, p.pid, p.start_time) for p in record.processes]
         started += [("pod process", pid, start) for pid, start in self.pod_pids()]
         self.cluster.down()
         return [f"{name} pid {pid}" for name, pid, start in started if processes.is_alive(pid, start)]
