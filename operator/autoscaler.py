@@ -18,6 +18,12 @@ highest recommendation of the stabilization window wins, one replica per
 step, and never with a queue. Pods that are Pending because no node has a
 free GPU are no capacity; while any exist the autoscaler asks for no more,
 and says why.
+
+Requests the kvpilot gateway holds for the service (no Ready pod yet:
+starting, or at zero replicas) are demand the engines cannot see: they count
+as queued requests, and as activity. While any are held the service keeps at
+least one replica (a service at zero gets the replicas their batch slots
+need), no replica goes, and the idle clock of scale-to-zero stands still.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class ReplicaState:
     desired: int  # spec.replicas now
     ready: int
     pending_no_gpu: int = 0  # Pending because no node has a free GPU
+    slots_per_replica: int | None = None  # max_num_seqs in effect: requests one replica runs at once
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ class ScaleDecision:
     history: ScalingHistory
     previous: int
     demand: float | None = None  # output tokens/s the decision planned for; None without metrics
+    held: int = 0  # requests the gateway held for the service, counted as queued
 
     @property
     def changed(self) -> bool:
@@ -125,13 +133,17 @@ def autoscale(
     history: ScalingHistory,
     now: float,
     saturated: bool,
+    held: int = 0,
 ) -> ScaleDecision:
-    """Replicas for the next interval; ``saturated`` says the Ready replicas ran at their max_num_seqs."""
+    """Replicas for the next interval; ``saturated`` says the Ready replicas ran at their max_num_seqs,
+    ``held`` counts the requests the gateway holds for the service (waiting for a Ready pod)."""
+    if held < 0:
+        raise ValueError(f"held requests cannot be negative, got {held}")
     current = replicas.desired
     demand: float | None = None  # set once the metrics give it; every decision after reports it
 
     def decide(target: int, reason: str, hist: ScalingHistory) -> ScaleDecision:
-        return ScaleDecision(target, reason, hist, current, demand)
+        return ScaleDecision(target, reason, hist, current, demand, held)
 
     bounded = min(max(current, policy.min_replicas), policy.max_replicas)
     if bounded != current:
@@ -143,32 +155,43 @@ def autoscale(
     if observation is None:
         # No Ready pod (at zero, or starting after a wake-up) is no evidence of idleness: the idle
         # clock of scaleToZeroAfterSeconds starts again once a pod serves.
-        return decide(current, "no metrics from any Ready pod: holding", replace(history, last_active=now))
+        history = replace(history, last_active=now)
+        if held and current == 0:
+            target = replicas_for_held(held, replicas.slots_per_replica, policy)
+            return decide(target, f"{held} request(s) held at the gateway and no replica: scaling up 0 → {target}",
+                          history)
+        waiting = f"; {held} request(s) held at the gateway wait for it" if held else ""
+        return decide(current, f"no metrics from any Ready pod{waiting}: holding", history)
 
     capacity = measure_capacity(
         observation, replicas.ready, saturated, history.capacity_per_replica, policy.capacity_smoothing
     )
     history = replace(history, capacity_per_replica=capacity)
     tokens_per_request = observation.mean_output_tokens_per_request or 0.0
-    backlog = observation.waiting_now * tokens_per_request / policy.queue_drain_seconds
+    queued = observation.waiting_now + held
+    backlog = queued * tokens_per_request / policy.queue_drain_seconds
     demand = observation.output_tokens_per_second + backlog
     demand_text = f"demand {demand:.0f} tok/s ({observation.output_tokens_per_second:.0f} served"
-    demand_text += f" + queue of {observation.waiting_now:.0f})" if observation.waiting_now else ")"
+    if queued:
+        demand_text += f" + queue of {observation.waiting_now:.0f}"
+        demand_text += f" and {held} held at the gateway" if held else ""
+    demand_text += ")"
 
-    if demand <= 0:
+    if demand <= 0 and not queued:
         raw = policy.min_replicas
         basis = "no demand in the window"
     elif capacity is None or capacity <= 0:
         # Never saturated yet: plan by batch slots in use instead of tokens.
         slots = observation.max_num_seqs
         if slots:
-            in_use = observation.running + observation.waiting_now
+            in_use = observation.running + queued
             raw = math.ceil(in_use / (slots * policy.target_utilization) - 1e-9)
+            of_them_held = f" ({held} held at the gateway)" if held else ""
             basis = (
-                f"{in_use:.1f} requests running or queued vs {slots} slots per replica at "
+                f"{in_use:.1f} requests running or queued{of_them_held} vs {slots} slots per replica at "
                 f"{policy.target_utilization:.0%} (token capacity not measured yet) → {raw} replica(s)"
             )
-        elif observation.waiting_now > 0 and replicas.pending_no_gpu == 0:
+        elif queued > 0 and replicas.pending_no_gpu == 0:
             raw = current + 1
             basis = f"{demand_text}, capacity not measured yet, requests queued"
         else:
@@ -182,8 +205,10 @@ def autoscale(
     queueing = ttft_breach(observation, policy.slo)
     if queueing is not None:
         raw, basis = max(raw, current + 1), f"{basis}; {queueing}"
+    if held and raw < 1:
+        raw, basis = 1, f"{basis}; {held} request(s) held at the gateway need a replica"
     raw = min(max(raw, policy.min_replicas), policy.max_replicas)
-    active = demand > 0 or observation.running > 0 or observation.waiting_now > 0
+    active = demand > 0 or observation.running > 0 or queued > 0
     history = replace(history, last_active=now if active else history.last_active)
     zero_after = policy.scale_to_zero_after_seconds
     if raw == 0 and zero_after is not None:
@@ -214,7 +239,7 @@ def autoscale(
         return decide(raw, f"{basis}: scaling up {current} → {raw}", history)
 
     if raw < current:
-        if observation.waiting_now > 0:
+        if queued > 0:
             return decide(current, f"{basis}, but requests are queued: holding", history)
         stabilized = max(r for _, r in recommendations)
         target = max(stabilized, current - policy.scale_down_step)
@@ -228,6 +253,14 @@ def autoscale(
         return decide(target, f"{basis}: scaling down {current} → {target}", history)
 
     return decide(current, f"{basis}: holding", history)
+
+
+def replicas_for_held(held: int, slots_per_replica: int | None, policy: ScalingPolicy) -> int:
+    """Replicas that wake for ``held`` requests: enough batch slots at the target utilization, at least one."""
+    if not slots_per_replica:
+        return 1
+    needed = math.ceil(held / (slots_per_replica * policy.target_utilization) - 1e-9)
+    return min(max(needed, 1, policy.min_replicas), policy.max_replicas)
 
 
 def ttft_breach(observation: Observation, slo: Slo | None) -> str | None:

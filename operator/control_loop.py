@@ -4,8 +4,9 @@ A kopf daemon per service runs ``ControlLoop.run`` (a daemon, not a timer, so th
 interval follows the spec and no "succeeded" Event is posted every tick). Every
 interval:
 
-1. **read** the engine pods and the settings in effect (``kube``) and the Ready
-   engines' /metrics (``engine_client``), into the service's metric windows;
+1. **read** the engine pods and the settings in effect (``kube``), the Ready
+   engines' /metrics (``engine_client``) into the service's metric windows, and
+   the requests the gateway holds for the service (``gateway_demand``);
 2. **plan** (``plan.plan``, pure: the tuner and the autoscaler decide there);
 3. **write** new settings to the tuning ConfigMap (``kube``) and live to the
    Ready engines' admin API (``engine_client``, which the engine's scheduler
@@ -36,6 +37,7 @@ from kvpilot import engine_contract as contract
 from kvpilot.operator import builders, operator_metrics, reconcile, status
 from kvpilot.operator.engine_client import EngineClient, admin_url, pod_url
 from kvpilot.operator.engine_metrics import MetricsCollector
+from kvpilot.operator.gateway_demand import GatewayDemand
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.plan import Event, Memory, Plan, Reading, interval_seconds, plan
 from kvpilot.operator.settings import OperatorSettings
@@ -86,6 +88,7 @@ class ControlLoop:
         self.settings = settings
         self.config = config
         self.services: dict[tuple[str, str], ServiceLoop] = {}
+        self.gateways = GatewayDemand(kube, *settings.gateway_pods) if settings.gateway_pods is not None else None
 
     def run(self, current_body: Callable[[], dict[str, Any]], stopped: Stopped,
             post: Callable[[dict[str, Any], Event], None]) -> None:
@@ -138,9 +141,20 @@ class ControlLoop:
         metrics = service.collector.ingest(self.engines.scrape(ready), time.time())
         reported = {pod: int(value) for pod in ready
                     if (value := service.collector.latest_gauge(pod, contract.MAX_NUM_SEQS)) is not None}
+        held = self._held_at_gateway(name, namespace, spec)
         return Reading(name=name, namespace=namespace, spec=spec, pods=pods, ready=ready,
                        metrics=metrics, engine_max_num_seqs=reported,
-                       in_effect=reconcile.read_settings_in_effect(self.kube, name, namespace, spec), now=now)
+                       in_effect=reconcile.read_settings_in_effect(self.kube, name, namespace, spec), now=now,
+                       held_at_gateway=held)
+
+    def _held_at_gateway(self, name: str, namespace: str, spec: InferenceServiceSpec) -> int:
+        """Requests the gateway replicas hold for the service; only the autoscaler reads them."""
+        if self.gateways is None or spec.autoscaling is None or not spec.autoscaling.enabled:
+            return 0
+        held = self.gateways.held().get((namespace, name), 0)
+        if held:
+            log.info("%s/%s: %d request(s) held at the gateway count as queued demand", namespace, name, held)
+        return held
 
     def _pods(self, name: str, namespace: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
         """The live engine pods, and the Ready ones' base URLs by pod name."""

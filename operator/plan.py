@@ -34,6 +34,7 @@ class Reading:
     engine_max_num_seqs: Mapping[str, int]  # what each Ready engine last reported
     in_effect: EngineSettings  # from the tuning ConfigMap
     now: float
+    held_at_gateway: int = 0  # requests the kvpilot gateway holds for the service (no Ready pod), all replicas
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,14 @@ def plan(reading: Reading, memory: Memory, *, interval: float, scale_down_stabil
     if spec.autoscaling is not None and spec.autoscaling.enabled:
         pending_no_gpu = sum(1 for p in status.diagnose_pods(spec, reading.pods, [])
                              if p.reason == status.INSUFFICIENT_GPU)
-        replicas = ReplicaState(desired=spec.replicas, ready=len(reading.ready), pending_no_gpu=pending_no_gpu)
+        replicas = ReplicaState(desired=spec.replicas, ready=len(reading.ready), pending_no_gpu=pending_no_gpu,
+                                slots_per_replica=live.max_num_seqs)
         policy = ScalingPolicy(spec.autoscaling.min_replicas, spec.autoscaling.max_replicas,
                                scale_down_stabilization_seconds=scale_down_stabilization_seconds,
                                scale_to_zero_after_seconds=spec.autoscaling.scale_to_zero_after_seconds,
                                slo=spec.tuning.slo if spec.tuning is not None else None)
         saturated = is_saturated(observation, live.max_num_seqs, len(reading.ready), config)
-        scale = autoscale(observation, replicas, policy, memory.scaling, now, saturated)
+        scale = autoscale(observation, replicas, policy, memory.scaling, now, saturated, held=reading.held_at_gateway)
         memory = Memory(memory.tuning, scale.history, memory.restarts_seen, unreachable)
         report["autoscaling"] = status.autoscaling_status(scale, now)
         if scale.changed:

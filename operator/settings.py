@@ -54,6 +54,9 @@ class OperatorSettings:
     # Base URL of the kvpilot gateway (the chart's gateway.url), reported as every service's
     # status.url; None: each service's own in-cluster Service URL.
     gateway_url: str | None = None
+    # Where the gateway's pods run, (namespace, label selector): the autoscaler reads the requests
+    # they hold for each service. None: no gateway to read.
+    gateway_pods: tuple[str, str] | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
@@ -80,6 +83,7 @@ class OperatorSettings:
                                                  defaults.leader_election_lease_seconds, 5.0),
             leader_election_identity=env.get("KVPILOT_POD_NAME") or defaults.leader_election_identity,
             gateway_url=(env.get("KVPILOT_GATEWAY_URL") or "").rstrip("/") or None,
+            gateway_pods=_gateway_pods(env, "KVPILOT_GATEWAY_NAMESPACE", "KVPILOT_GATEWAY_SELECTOR"),
         )
 
     @property
@@ -133,6 +137,17 @@ def _lease(env: Mapping[str, str], name: str) -> tuple[str, str] | None:
     if not namespace or not lease or "/" in lease:
         raise SettingsError(f"{name}={raw!r}: must be NAMESPACE/NAME of the Lease to hold")
     return namespace, lease
+
+
+def _gateway_pods(env: Mapping[str, str], namespace_name: str, selector_name: str) -> tuple[str, str] | None:
+    namespace, selector = env.get(namespace_name) or "", env.get(selector_name) or ""
+    if not namespace and not selector:
+        return None
+    if not namespace or not selector:
+        missing = namespace_name if not namespace else selector_name
+        raise SettingsError(f"{missing} is empty: {namespace_name} and {selector_name} (the gateway pods' label "
+                            "selector) go together")
+    return namespace, selector
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], *, upper: bool = False) -> str | None:

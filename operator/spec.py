@@ -632,6 +632,10 @@ class AutoscalingStatus(StatusModel):
         default=None, description="Output tokens/s it planned for: served in the window plus the queue to drain.")
     capacity_per_replica: float | None = Field(
         default=None, description="Output tokens/s one Ready replica delivered while saturated (smoothed).")
+    held_requests: int | None = Field(
+        default=None, ge=0,
+        description="Requests the kvpilot gateway held for this service (no Ready pod) when it decided, over all "
+                    "gateway replicas: counted as queued demand.")
     reason: str | None = Field(default=None, description="Why, in one line.")
     time: str | None = Field(default=None, description="When it was decided (RFC 3339).")
 

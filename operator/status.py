@@ -353,7 +353,8 @@ def autoscaling_status(decision: ScaleDecision, now: float) -> dict[str, Any]:
     """``status.autoscaling``: the replicas the autoscaler wants and why."""
     fields = {"desiredReplicas": decision.replicas, "reason": decision.reason, "time": rfc3339(now),
               "demandTokensPerSecond": _rounded(decision.demand, 1),
-              "capacityPerReplica": _rounded(decision.history.capacity_per_replica, 1)}
+              "capacityPerReplica": _rounded(decision.history.capacity_per_replica, 1),
+              "heldRequests": decision.held}
     return AutoscalingStatus.model_validate(fields).model_dump(by_alias=True, exclude_none=True)
 
 

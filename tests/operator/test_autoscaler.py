@@ -195,3 +195,64 @@ def test_a_ttft_breaking_the_slo_from_queueing_asks_for_more_replicas_not_fewer(
     history = ScalingHistory(capacity_per_replica=CAPACITY, observed_since=-1000.0)
     assert autoscale(obs, ReplicaState(3, 3), POLICY, history, 0.0, saturated).replicas == 2
     assert autoscale(obs, ReplicaState(3, 3), WITH_SLO, history, 0.0, saturated).replicas == 4
+
+
+# --- requests held at the gateway ---------------------------------------------------------
+
+AT_ZERO = ScalingPolicy(min_replicas=0, max_replicas=6, scale_down_stabilization_seconds=300.0,
+                        scale_to_zero_after_seconds=60.0)
+
+
+def test_requests_held_for_a_service_at_zero_wake_the_replicas_their_slots_need():
+    history = ScalingHistory(last_active=-10_000.0, observed_since=-10_000.0)
+    assert autoscale(None, ReplicaState(0, 0), AT_ZERO, history, 0.0, False).replicas == 0
+    one = autoscale(None, ReplicaState(0, 0), AT_ZERO, history, 0.0, False, held=2)
+    assert one.replicas == 1 and one.held == 2
+    assert one.reason == "2 request(s) held at the gateway and no replica: scaling up 0 → 1"
+    # 20 held against 8 slots per replica at 80%: ceil(20 / 6.4) = 4; never beyond maxReplicas.
+    burst = ReplicaState(0, 0, slots_per_replica=8)
+    assert autoscale(None, burst, AT_ZERO, history, 0.0, False, held=20).replicas == 4
+    assert autoscale(None, burst, AT_ZERO, history, 0.0, False, held=500).replicas == 6
+
+
+def test_requests_held_while_a_replica_starts_keep_it_and_say_so():
+    history = ScalingHistory(last_active=-10_000.0, observed_since=-10_000.0)
+    decision = autoscale(None, ReplicaState(1, 0), AT_ZERO, history, 0.0, False, held=3)
+    assert decision.replicas == 1 and not decision.changed
+    assert "3 request(s) held at the gateway wait for it" in decision.reason
+    assert decision.history.last_active == 0.0
+
+
+def test_no_scale_to_zero_while_requests_are_held():
+    idle = replace(load(0.0, 1)[0], running=0.0, waiting_now=0.0, mean_output_tokens_per_request=None)
+    history = ScalingHistory(last_active=-1000.0, observed_since=-1000.0)
+    assert autoscale(idle, ReplicaState(1, 1), AT_ZERO, history, 0.0, False).replicas == 0
+    kept = autoscale(idle, ReplicaState(1, 1), AT_ZERO, history, 0.0, False, held=1)
+    assert kept.replicas == 1 and kept.history.last_active == 0.0  # the idle clock starts again
+    assert "(1 held at the gateway)" in kept.reason
+
+
+def test_no_scale_down_while_requests_are_held():
+    obs, _ = load(100.0, 3)
+    history = ScalingHistory(capacity_per_replica=CAPACITY, observed_since=-1000.0)
+    assert autoscale(obs, ReplicaState(3, 3), POLICY, history, 0.0, False).replicas == 2
+    held = autoscale(obs, ReplicaState(3, 3), POLICY, history, 0.0, False, held=1)
+    assert held.replicas == 3 and "requests are queued: holding" in held.reason
+
+
+def test_held_requests_add_to_the_queue_the_replicas_are_sized_for():
+    obs, _ = load(100.0, 3)  # 4 of 48 slots busy, capacity not measured yet
+    history = ScalingHistory(observed_since=-1000.0)
+    # 4 running + 60 held = 64 requests against 16 slots per replica at 80%: ceil(64 / 12.8) = 5.
+    decision = autoscale(obs, ReplicaState(3, 3), POLICY, history, 0.0, False, held=60)
+    assert decision.replicas == 5 and "64.0 requests running or queued (60 held at the gateway)" in decision.reason
+    # With capacity known: 100 served + (0 queued + 60 held) x 100 tokens / 60 s = 200 tok/s of demand.
+    measured = autoscale(obs, ReplicaState(3, 3), POLICY, ScalingHistory(capacity_per_replica=CAPACITY), 0.0,
+                         False, held=60)
+    assert measured.demand == pytest.approx(200.0)
+    assert "queue of 0 and 60 held at the gateway" in measured.reason
+
+
+def test_held_requests_cannot_be_negative():
+    with pytest.raises(ValueError, match="held requests"):
+        autoscale(None, ReplicaState(1, 1), POLICY, ScalingHistory(), 0.0, False, held=-1)

@@ -308,3 +308,25 @@ def test_the_engines_network_policy_admits_the_gateway():
 
 def deployment_selector(deployment: dict) -> dict:
     return {"matchLabels": deployment["spec"]["selector"]["matchLabels"]}
+
+
+def test_the_operator_finds_the_gateway_pods_to_read_their_held_requests():
+    docs = _render("--set", "gateway.enabled=true")
+    env = _operator_env(docs)
+    gateway = next(d for d in _gateway_docs(docs) if d["kind"] == "Deployment")
+    labels = gateway["spec"]["selector"]["matchLabels"]
+    assert env["KVPILOT_GATEWAY_NAMESPACE"] == "kvpilot-system"
+    assert dict(pair.split("=") for pair in env["KVPILOT_GATEWAY_SELECTOR"].split(",")) == labels
+    assert "KVPILOT_GATEWAY_SELECTOR" not in _operator_env(_render())
+    # Cluster scope lists pods everywhere; a watched release namespace has the operator's Role already.
+    for sets in ((), ("--set", "rbac.scope=namespaced")):
+        assert not [d for d in _render("--set", "gateway.enabled=true", *sets)
+                    if d["metadata"]["name"] == "kv-kvpilot-gateway-demand"]
+    # Watching other namespaces only: a Role to list pods in the release's namespace, nothing more.
+    docs = _render("--set", "gateway.enabled=true", "--set", "rbac.scope=namespaced",
+                   "--set", "rbac.watchNamespaces={ml}")
+    role, binding = (next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == "kv-kvpilot-gateway-demand")
+                     for kind in ("Role", "RoleBinding"))
+    assert role["metadata"]["namespace"] == "kvpilot-system"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kv-kvpilot", "namespace": "kvpilot-system"}]

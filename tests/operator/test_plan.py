@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvpilot.operator import spec
 from kvpilot.operator.control_loop import wants_loop
 from kvpilot.operator.engine_metrics import Observation, PodReport, ServiceMetrics
@@ -94,6 +96,18 @@ def test_the_autoscaling_status_shows_the_inputs_of_the_sizing_rule():
     # replica's 2000 tok/s is its capacity; ceil(2500 / (2000 x 0.8)) = 2.
     assert scaling["demandTokensPerSecond"] == 2500.0 and scaling["capacityPerReplica"] == 2000.0
     assert scaling["desiredReplicas"] == 2
+
+
+def test_requests_held_at_the_gateway_wake_a_service_at_zero_and_show_in_its_status():
+    at_zero = SPEC.model_copy(update={"tuning": None, "replicas": 0,
+                                      "autoscaling": spec.Autoscaling(min_replicas=0, max_replicas=3)})
+    nothing_ready = replace(reading(spec_=at_zero, ready=()), metrics=ServiceMetrics(None, {}))
+    assert _plan(nothing_ready).replicas is None  # no pod and nothing held: stays at zero
+    result = _plan(replace(nothing_ready, held_at_gateway=30))
+    # 30 held against the 16 slots per replica in effect at 80%: ceil(30 / 12.8) = 3.
+    assert result.replicas == 3 and result.status["autoscaling"]["heldRequests"] == 30
+    assert "30 request(s) held at the gateway" in result.status["autoscaling"]["reason"]
+    assert _plan(reading(spec_=AUTOSCALED)).status["autoscaling"]["heldRequests"] == 0
 
 
 def test_metrics_unavailable_is_posted_once_per_outage():

@@ -78,7 +78,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
-  # status diagnosis and the tuner's list of engines to scrape
+  # status diagnosis, the tuner's list of engines to scrape, and the gateway pods' held requests
   verbs: ["get", "list", "watch"]
 - apiGroups: [""]
   resources: ["events"]
