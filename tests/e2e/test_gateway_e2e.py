@@ -7,7 +7,8 @@ generated tiny model from real `kvpilot serve` processes on the CPU. The tests r
 file order and share the services: routing by model (plain and streamed, through the
 official openai client), then a pod killed under load and a scale-down under load, with
 no failed request that had not started streaming; a service at zero replicas woken by its first
-request; and the autoscaler taking an idle service to zero, which a request wakes again.
+request; and the autoscaler taking an idle service to zero, which a request wakes again while the
+autoscaler counts it, held at the gateway, as demand.
 """
 
 from __future__ import annotations
@@ -229,6 +230,17 @@ def test_a_service_at_zero_replicas_answers_its_first_request_after_the_cold_sta
     cluster.kubectl("delete", "kvis", "cold", "-n", NS, "--wait=true", "--timeout=60s")
 
 
+def _held_demand_while(thread: threading.Thread, kube, name: str) -> list[dict]:
+    """The service's status.autoscaling each time it counted requests held at the gateway, while ``thread`` runs."""
+    counted = []
+    while thread.is_alive():
+        autoscaling = ((kube.get_inference_service(NS, name) or {}).get("status") or {}).get("autoscaling") or {}
+        if autoscaling.get("heldRequests", 0) >= 1 and autoscaling not in counted:
+            counted.append(autoscaling)
+        time.sleep(0.5)
+    return counted
+
+
 def test_autoscaling_takes_an_idle_service_to_zero_and_a_request_wakes_it(cluster, kube, gateway_url,
                                                                           tiny_model_dir):
     idle = _service("idle", "idle", tiny_model_dir)
@@ -242,7 +254,17 @@ def test_autoscaling_takes_an_idle_service_to_zero_and_a_request_wakes_it(cluste
                              "involvedObject.kind=InferenceService,involvedObject.name=idle").stdout
     assert "scaleToZeroAfterSeconds 30" in events
     _wait(cluster, lambda: _routable(gateway_url, "idle", 0), 60, "the idle service's pod to go")
-    response = _complete(gateway_url, "idle", "Wake up", timeout=ENGINE_READY_S)  # held while it wakes
+    woken: dict = {}
+    waking = threading.Thread(target=lambda: woken.setdefault(
+        "response", _complete(gateway_url, "idle", "Wake up", timeout=ENGINE_READY_S)))  # held while it wakes
+    waking.start()
+    counted = _held_demand_while(waking, kube, "idle")
+    waking.join(ENGINE_READY_S)
+    response = woken["response"]
     assert response.status_code == 200, response.text
     assert kube.get_inference_service(NS, "idle")["spec"]["replicas"] == 1
+    # The operator read the request held at the gateway and its autoscaler counted it (the replica
+    # starts for seconds: the control loop runs every 5 s here).
+    assert counted and "held at the gateway" in counted[0]["reason"], _diagnostics(cluster, kube)
+    print(f"\nheld demand seen by the autoscaler while the idle service woke: {counted[0]}")
     cluster.kubectl("delete", "kvis", "idle", "-n", NS, "--wait=true", "--timeout=60s")

@@ -61,7 +61,9 @@ OPERATOR_CALLS = (
     ("patch", "poddisruptionbudgets.policy", None, None), ("delete", "poddisruptionbudgets.policy", None, None),
     # the engines' admin token: Kube.create_if_missing once, Kube.get by the control loop
     ("create", "secrets", None, None), ("get", "secrets", None, None),
-    # status diagnosis and the control loop's engines: Kube.list, kopf's watch
+    # status diagnosis and the control loop's engines: Kube.list, kopf's watch; with the gateway on, also
+    # GatewayDemand's list of the gateway's pods in the release's namespace (the watched one here; the chart
+    # adds a Role for it when the release's namespace is not watched)
     ("get", "pods", None, None), ("list", "pods", None, None), ("watch", "pods", None, None),
     ("list", "events", None, None),  # Kube.pod_events
     ("create", "events", None, None),  # kopf's Events on InferenceServices
