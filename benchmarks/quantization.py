@@ -13,7 +13,8 @@ Each run is a fresh process (``--worker``) with ``--threads`` threads, which mea
 - decode throughput at batch 1, 4 and 8: B prompts of 32 tokens are prefilled in one step, then
   the following steps (B tokens each, ``--decode-tokens`` per sequence) are timed; one untimed
   generate warms up first (kernel builds, oneDNN), in every variant alike;
-- perplexity of a fixed ~300-token passage (the one the SmolLM2 quality test uses).
+- perplexity of a fixed ~300-token passage (the one the SmolLM2 quality test uses), with the weights
+  in the layouts the engine serves with (CausalLM.pack_weights_for_cpu).
 Variants take turns (the order rotates each round), ``--repeat`` rounds; every run is printed, then
 each figure's median with its min-max, and the ratios of medians against ``bf16`` with the
 issue's goals (weight memory <= 0.3x, decode >= 1.5x at every batch, perplexity within 3 %).
@@ -103,6 +104,7 @@ def worker(name: str, path: str, quantization: str, args: argparse.Namespace) ->
     load_s = time.perf_counter() - started
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     tokens = load_tokenizer(path)(EVAL_PASSAGE).input_ids
+    model.pack_weights_for_cpu(batch_size_hint=max(BATCHES))  # the layouts the engine serves with
     ppl = perplexity(sequence_logits(model, tokens), tokens)
     del model
 

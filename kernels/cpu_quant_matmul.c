@@ -47,49 +47,43 @@ const int kvpilot_quant_matmul_x_bf16 = X_BF16;
 
 #if X_BF16
 /*
- * AVX-512 BF16: codes (0..15, or -128..127) are exact in bfloat16, so they are widened to it and
- * multiplied with x by VDPBF16PS (32 products a step, exact in float32); each group's sum is
- * scaled once, and a 4-bit group's offset is applied as offset * (sum of x over the group), xsum.
+ * AVX-512 BF16: each run of 32 codes is dequantized (one FMA per 16, in float32) and rounded to
+ * bfloat16 once, shared by every row of the tile, which then costs one VDPBF16PS per 32 weights
+ * (32 products a step, accumulated in float32). The weight is rounded to bfloat16 exactly as a
+ * bfloat16 model dequantized at load holds it.
  */
 static inline __attribute__((always_inline)) void feature_rows(
-    const x_t *x, const float *xsum, int64_t k, const uint8_t *row, const _Float16 *scales,
-    const _Float16 *offsets, int64_t groups, elem_t *out, int64_t n, const int rows) {
+    const x_t *x, int64_t k, const uint8_t *row, const _Float16 *scales, const _Float16 *offsets,
+    int64_t groups, elem_t *out, int64_t n, const int rows) {
     __m512 acc[ROW_TILE];
-    float shift[ROW_TILE];
-    for (int r = 0; r < rows; ++r) {
-        acc[r] = _mm512_setzero_ps();
-        shift[r] = 0.0f;
-    }
+    for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        __m512 part[ROW_TILE];
-        for (int r = 0; r < rows; ++r) part[r] = _mm512_setzero_ps();
+        const __m512 scale = _mm512_set1_ps((float)scales[g]);
+#if BITS == 4
+        const __m512 offset = _mm512_set1_ps((float)offsets[g]);
+#else
+        (void)offsets;
+#endif
         const x_t *xg = x + g * GROUP_SIZE;
         for (int c = 0; c < GROUP_SIZE / 32; ++c) {
 #if BITS == 4
             const __m512i b = _mm512_cvtepu8_epi32(
                 _mm_loadu_si128((const __m128i *)(row + g * (GROUP_SIZE / 2) + c * 16)));
-            const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-            const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+            const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))),
+                                               scale, offset);
+            const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), scale, offset);
 #else
-            const int8_t *codes = (const int8_t *)row + g * GROUP_SIZE + c * 32;
-            const __m128i *pair = (const __m128i *)codes; /* inputs 0-15, then 16-31 */
-            const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pair)));
-            const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pair + 1)));
+            const __m128i *pair = (const __m128i *)((const int8_t *)row + g * GROUP_SIZE + c * 32);
+            const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pair))), scale);
+            const __m512 high =
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pair + 1))), scale);
 #endif
             const __m512bh w = _mm512_cvtne2ps_pbh(high, low); /* inputs 0-15 low, 16-31 high, as x */
             for (int r = 0; r < rows; ++r)
-                part[r] = _mm512_dpbf16_ps(part[r], w, (__m512bh)_mm512_loadu_si512(xg + r * k + c * 32));
+                acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_loadu_si512(xg + r * k + c * 32));
         }
-        const __m512 scale = _mm512_set1_ps((float)scales[g]);
-        for (int r = 0; r < rows; ++r) acc[r] = _mm512_fmadd_ps(part[r], scale, acc[r]);
-#if BITS == 4
-        const float offset = (float)offsets[g];
-        for (int r = 0; r < rows; ++r) shift[r] += offset * xsum[r * groups + g];
-#endif
     }
-    (void)xsum;
-    (void)offsets;
-    for (int r = 0; r < rows; ++r) out[r * n] = from_f32(_mm512_reduce_add_ps(acc[r]) + shift[r]);
+    for (int r = 0; r < rows; ++r) out[r * n] = from_f32(_mm512_reduce_add_ps(acc[r]));
 }
 #elif defined(__AVX512F__)
 
@@ -99,9 +93,8 @@ static inline __attribute__((always_inline)) void feature_rows(
  * unscaled (code * x) and scaled once per group.
  */
 static inline __attribute__((always_inline)) void feature_rows(
-    const x_t *x, const float *xsum, int64_t k, const uint8_t *row, const _Float16 *scales,
-    const _Float16 *offsets, int64_t groups, elem_t *out, int64_t n, const int rows) {
-    (void)xsum;
+    const x_t *x, int64_t k, const uint8_t *row, const _Float16 *scales, const _Float16 *offsets,
+    int64_t groups, elem_t *out, int64_t n, const int rows) {
     __m512 acc[ROW_TILE];
     for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -156,9 +149,8 @@ static inline void dequantize_group(const uint8_t *row, int64_t g, float scale, 
 
 /* One feature against `rows` rows of x (a constant after inlining, so acc lives in registers). */
 static inline __attribute__((always_inline)) void feature_rows(
-    const x_t *x, const float *xsum, int64_t k, const uint8_t *row, const _Float16 *scales,
-    const _Float16 *offsets, int64_t groups, elem_t *out, int64_t n, const int rows) {
-    (void)xsum;
+    const x_t *x, int64_t k, const uint8_t *row, const _Float16 *scales, const _Float16 *offsets,
+    int64_t groups, elem_t *out, int64_t n, const int rows) {
     float acc[ROW_TILE][LANES] = {{0}};
     float w[GROUP_SIZE];
     for (int64_t g = 0; g < groups; ++g) {
@@ -177,11 +169,10 @@ static inline __attribute__((always_inline)) void feature_rows(
 #endif
 
 /*
- * x: [m, k] float32 (bfloat16 where X_BF16), contiguous; xsum: [m, k / GROUP_SIZE] float32, x summed
- * per group (X_BF16 with BITS 4 only, else unused); codes: [n, k / 2] uint8 (BITS 4) or [n, k] int8
+ * x: [m, k] float32 (bfloat16 where X_BF16), contiguous; codes: [n, k / 2] uint8 (BITS 4) or [n, k] int8
  * (BITS 8); scales, offsets: [n, k / GROUP_SIZE] float16 (offsets NULL for BITS 8); out: [m, n].
  */
-void kvpilot_quant_matmul(const x_t *x, const float *xsum, const uint8_t *codes, const _Float16 *scales,
+void kvpilot_quant_matmul(const x_t *x, const uint8_t *codes, const _Float16 *scales,
                           const _Float16 *offsets, elem_t *out, int64_t m, int64_t n, int64_t k) {
     const int64_t groups = k / GROUP_SIZE;
     const int64_t row_bytes = BITS == 4 ? k / 2 : k;
@@ -194,20 +185,19 @@ void kvpilot_quant_matmul(const x_t *x, const float *xsum, const uint8_t *codes,
             const int64_t rows = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
             for (int64_t f = f0; f < f1; ++f) {
                 const x_t *xr = x + r0 * k;
-                const float *xs = xsum ? xsum + r0 * groups : 0;
                 const uint8_t *row = codes + f * row_bytes;
                 const _Float16 *s = scales + f * groups;
                 const _Float16 *o = offsets ? offsets + f * groups : 0;
                 elem_t *dst = out + r0 * n + f;
                 switch (rows) {
-                    case 1: feature_rows(xr, xs, k, row, s, o, groups, dst, n, 1); break;
-                    case 2: feature_rows(xr, xs, k, row, s, o, groups, dst, n, 2); break;
-                    case 3: feature_rows(xr, xs, k, row, s, o, groups, dst, n, 3); break;
-                    case 4: feature_rows(xr, xs, k, row, s, o, groups, dst, n, 4); break;
-                    case 5: feature_rows(xr, xs, k, row, s, o, groups, dst, n, 5); break;
-                    case 6: feature_rows(xr, xs, k, row, s, o, groups, dst, n, 6); break;
-                    case 7: feature_rows(xr, xs, k, row, s, o, groups, dst, n, 7); break;
-                    default: feature_rows(xr, xs, k, row, s, o, groups, dst, n, ROW_TILE); break;
+                    case 1: feature_rows(xr, k, row, s, o, groups, dst, n, 1); break;
+                    case 2: feature_rows(xr, k, row, s, o, groups, dst, n, 2); break;
+                    case 3: feature_rows(xr, k, row, s, o, groups, dst, n, 3); break;
+                    case 4: feature_rows(xr, k, row, s, o, groups, dst, n, 4); break;
+                    case 5: feature_rows(xr, k, row, s, o, groups, dst, n, 5); break;
+                    case 6: feature_rows(xr, k, row, s, o, groups, dst, n, 6); break;
+                    case 7: feature_rows(xr, k, row, s, o, groups, dst, n, 7); break;
+                    default: feature_rows(xr, k, row, s, o, groups, dst, n, ROW_TILE); break;
                 }
             }
         }

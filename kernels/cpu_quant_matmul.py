@@ -63,14 +63,13 @@ def bind(
 
 
 class BoundKernel:
-    __slots__ = ("_kernel", "_tensors", "_pointers", "_needs_xsum", "n", "k", "dtype", "group_size")
+    __slots__ = ("_kernel", "_tensors", "_pointers", "n", "k", "dtype", "group_size")
 
     def __init__(self, kernel: Kernel, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                  n: int, k: int, dtype: torch.dtype, group_size: int) -> None:
         self._kernel = kernel
         self._tensors = (codes, scales, offsets)  # held: the kernel reads them through raw pointers
         self._pointers = (codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr())
-        self._needs_xsum = kernel.x_bf16 and offsets is not None
         self.n, self.k, self.dtype, self.group_size = n, k, dtype, group_size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
@@ -80,18 +79,15 @@ class BoundKernel:
         m = x.shape[0]
         # [M, K], read by every output feature: as it is (bfloat16 builds) or converted to float32 once.
         x_in = x.contiguous() if self._kernel.x_bf16 else x.float().contiguous()
-        # [M, K // group_size]: x summed per group, for the offsets (x_bf16 builds only).
-        xsum = x_in.float().view(m, -1, self.group_size).sum(-1) if self._needs_xsum else None
         out = torch.empty(m, self.n, dtype=self.dtype)
         if m:
-            self._kernel.function(x_in.data_ptr(), None if xsum is None else xsum.data_ptr(), *self._pointers,
-                                  out.data_ptr(), m, self.n, self.k)  # fmt: skip
+            self._kernel.function(x_in.data_ptr(), *self._pointers, out.data_ptr(), m, self.n, self.k)
         return out
 
 
 class Kernel(NamedTuple):
     function: ctypes._CFuncPtr
-    x_bf16: bool  # the build reads bfloat16 x as it is (AVX-512 BF16); else float32 x (and no xsum)
+    x_bf16: bool  # the build reads bfloat16 x as it is (AVX-512 BF16); else float32 x
 
 
 @functools.cache
@@ -106,6 +102,6 @@ def load_kernel(dtype: torch.dtype, *, bits: int, group_size: int) -> Kernel | N
     function = library.kvpilot_quant_matmul
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.restype = None
-    function.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]  # x, xsum, codes, scales, offsets, out, m, n, k
+    function.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]  # x, codes, scales, offsets, out, m, n, k
     x_bf16 = bool(ctypes.c_int.in_dll(library, "kvpilot_quant_matmul_x_bf16").value)
     return Kernel(function, x_bf16)
