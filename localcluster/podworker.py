@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpilot.localcluster.kubelet")
 TICK_S = 0.25
-SETUP_RETRY_S = 1.0  # a missing ConfigMap or Secret is looked up again after this long
+# A missing ConfigMap or Secret is looked up again after this long, and a pod's deletion that the API
+# server did not answer is sent again.
+SETUP_RETRY_S = 1.0
 
 
 def pod_key(pod: dict) -> str:
@@ -252,17 +254,27 @@ class PodWorker(threading.Thread):
         if self._gone:
             return
         meta = pod["metadata"]
-        try:
-            self.kubelet.api.request(
-                "DELETE",
-                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
-                 "preconditions": {"uid": self.uid}},
-                ok_missing=True,
-            )  # fmt: skip
-        except ApiError as exc:
-            if exc.status != 409:  # 409: a newer pod of the same name; ours is gone already
-                raise
+        while True:
+            try:
+                self.kubelet.api.request(
+                    "DELETE",
+                    f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                    {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
+                     "preconditions": {"uid": self.uid}},
+                    ok_missing=True,
+                )  # fmt: skip
+                return
+            except ApiError as exc:
+                if exc.status == 409:  # a newer pod of the same name; ours is gone already
+                    return
+                if exc.status is not None or self.stop_requested.is_set():
+                    raise
+                if self._gone:  # deleted meanwhile
+                    return
+                # The API server is restarting: the containers are stopped, only the deletion is left.
+                log.info("pod %s: %s; retrying the deletion", pod_key(pod), exc)
+                self._wake.wait(SETUP_RETRY_S)
+                self._wake.clear()
 
     def _pre_stop(self, pod: dict, grace: float) -> float:
         """Waits out the running containers' preStop ``sleep`` hooks, as a kubelet does before SIGTERM.

@@ -1,0 +1,234 @@
+"""Control-plane faults on the local cluster: the kube-apiserver, etcd, and both, stopped and started
+again (same ports, same data: `LocalCluster.restart_component`'s way) in the middle of a rollout.
+
+The chart runs the operator as users install it (one replica holding its leader-election Lease); one
+InferenceService on the tiny model, on the CPU (no GPU, so its rollouts surge: the old pod serves
+until the new one is Ready), has tuning on and a tuned state in its ConfigMap (maxNumSeqs 24, the
+spec says 16). Each round edits spec.engine.extraArgs, which rolls the Deployment without touching
+the tuned settings, waits until the new pod is starting, and takes the component(s) down for a few
+seconds, during which the old pod must keep serving requests. Afterwards the service must converge to its
+spec: Ready at its generation, one Deployment / Service / tuning ConfigMap / admin Secret, the
+Deployment on the new template with its one pod Ready, and the tuning state unchanged: the ConfigMap's
+data, the admin token, status.engine and the new engine's own maxNumSeqs (read from its tuning file).
+
+CI runs 3 rounds (API server, etcd, both); KVPILOT_CP_RESTARTS=N cycles through them N times in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpilot import engine_contract as contract
+from kvpilot.localcluster import components
+from kvpilot.localcluster.cluster import Health
+from kvpilot.localcluster.testing import wait_until
+from kvpilot.operator import builders, crd
+from kvpilot.operator.engine_metrics import parse_snapshot
+from kvpilot.operator.spec import EngineSettings, parse_spec
+
+pytestmark = pytest.mark.e2e
+
+NS = "kvpilot-cp-restart"
+RELEASE = "cpr"
+NAME = "rolling"
+OPERATOR_HEALTH_PORT = 18531  # clear of the other e2e modules' operator ports
+OPERATOR_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
+FAULTS = (("kube-apiserver",), ("etcd",), ("etcd", "kube-apiserver"))
+ROUNDS = int(os.environ.get("KVPILOT_CP_RESTARTS", str(len(FAULTS))))
+DOWN_S = 3.0  # how long the component stays stopped, on top of its own stop and start
+SPEC_MAX_NUM_SEQS = 16
+TUNED_MAX_NUM_SEQS = 24  # the tuner's stored value: the upper bound, so with no SLO pressure it holds
+CONVERGE_S = 240  # an engine start loads torch and the model on 2 shared cores
+CHILDREN = (("apps/v1", "Deployment", NAME), ("v1", "Service", NAME),
+            ("v1", "ConfigMap", builders.tuning_configmap_name(NAME)), ("v1", "Secret", builders.admin_secret_name(NAME)))
+
+
+def _kv_cache_args(mib: int) -> list[str]:
+    return ["--device", "cpu", "--kv-cache-memory", f"{mib}MiB"]
+
+
+@pytest.fixture(scope="module")
+def tuned(cluster, kube, tiny_model_dir):
+    """The operator installed, the service serving, and a tuned state stored as the tuner stores it."""
+    cluster.kubectl("create", "namespace", NS)
+    cluster.helm(
+        "install", RELEASE, str(crd.REPO_ROOT / "charts" / "kvpilot"), "--namespace", NS,
+        "--set", "rbac.scope=namespaced",
+        "--set", "engine.bindPodIP=true", "--set", "bindPodIP=true",
+        "--set", "engine.shutdownGraceSeconds=2", "--set", "engine.drainSeconds=1",
+        "--set", "engine.startupSeconds=600",
+        "--set", f"healthPort={OPERATOR_HEALTH_PORT}", "--set", f"metricsPort={OPERATOR_HEALTH_PORT + 1}",
+    )
+    manifest = {
+        "apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {
+            "model": {"uri": f"file://{Path(tiny_model_dir).resolve()}"},
+            "resources": {"gpus": 0},
+            "engine": {"maxNumSeqs": SPEC_MAX_NUM_SEQS, "maxModelLen": 512, "extraArgs": _kv_cache_args(64)},
+            # A loose SLO and maxNumSeqs at its upper bound: the tuner holds what is stored.
+            "tuning": {"slo": {"itlP99Seconds": 30.0},
+                       "maxNumSeqs": {"min": SPEC_MAX_NUM_SEQS, "max": TUNED_MAX_NUM_SEQS},
+                       "gpuMemoryUtilization": {"min": 0.9, "max": 0.9}},
+        },
+    }  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    _converged(cluster, kube, 64)
+    spec = parse_spec(manifest["spec"])
+    tuned_settings = EngineSettings.of(spec.engine).model_copy(update={"max_num_seqs": TUNED_MAX_NUM_SEQS})
+    kube.apply(builders.build_tuning_configmap(NAME, NS, spec, tuned_settings),
+               owner=kube.get_inference_service(NS, NAME))  # fmt: skip
+    wait_until(lambda: _status(kube).get("engine", {}).get("maxNumSeqs") == TUNED_MAX_NUM_SEQS, 60,
+               "status.engine to show the tuned maxNumSeqs")  # fmt: skip
+    yield
+    cluster.kubectl("delete", "kvis", NAME, "-n", NS, "--wait=true", "--timeout=60s", check=False)
+    cluster.helm("uninstall", RELEASE, "--namespace", NS, "--wait", check=False)
+    cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+
+
+def _ready(obj: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in (obj.get("status") or {}).get("conditions", []))
+
+
+def _status(kube) -> dict:
+    return (kube.get_inference_service(NS, NAME) or {}).get("status") or {}
+
+
+def _engine_pods(kube) -> list[dict]:
+    pods = kube.list("v1", "Pod", NS, label_selector=builders.selector_string(NAME))
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def _kv_cache_mib(pod_or_template: dict) -> int:
+    args = pod_or_template["spec"]["containers"][0]["args"]
+    return int(args[args.index("--kv-cache-memory") + 1].removesuffix("MiB"))
+
+
+def _children_once(kube) -> dict[str, dict]:
+    """Each child kind exactly once among the objects labeled for the service."""
+    selector = f"{builders.INSTANCE_LABEL}={NAME}"
+    found = {}
+    for api_version, kind, name in CHILDREN:
+        objects = [o for o in kube.list(api_version, kind, NS, label_selector=selector)
+                   if not o["metadata"].get("deletionTimestamp")]
+        assert [o["metadata"]["name"] for o in objects] in ([], [name]), f"duplicate {kind}: {objects}"
+        if objects:
+            found[kind] = objects[0]
+    return found
+
+
+def _converged(cluster, kube, kv_cache_mib: int) -> dict[str, dict]:
+    """Waits until the service serves its spec (Ready, neither progressing nor degraded, at its generation;
+    every child there once; the Deployment rolled out to one Ready pod of the template with
+    ``kv_cache_mib``); returns the children."""
+    def converged():
+        kvis = kube.get_inference_service(NS, NAME) or {}
+        status = kvis.get("status") or {}
+        children = _children_once(kube)
+        if len(children) < len(CHILDREN) or not _ready(kvis):
+            return None
+        if status.get("observedGeneration") != kvis["metadata"]["generation"] or status.get("readyReplicas") != 1:
+            return None
+        conditions = {c["type"]: c["status"] for c in status.get("conditions", [])
+                      if c.get("observedGeneration") == kvis["metadata"]["generation"]}
+        if conditions != {"Ready": "True", "Progressing": "False", "Degraded": "False"}:
+            return None
+        deployment = children["Deployment"]
+        rollout = deployment.get("status") or {}
+        if _kv_cache_mib(deployment["spec"]["template"]) != kv_cache_mib or deployment["spec"]["replicas"] != 1:
+            return None
+        if (rollout.get("updatedReplicas"), rollout.get("readyReplicas"), rollout.get("replicas")) != (1, 1, 1):
+            return None
+        pods = _engine_pods(kube)
+        if len(pods) != 1 or not _ready(pods[0]) or _kv_cache_mib(pods[0]) != kv_cache_mib:
+            return None
+        return children
+
+    try:
+        return wait_until(converged, CONVERGE_S, f"{NAME} converged at --kv-cache-memory {kv_cache_mib}MiB",
+                          interval=0.5)  # fmt: skip
+    except AssertionError as exc:
+        state = cluster.kubectl("get", "kvis,deploy,rs,pods,svc,cm,secret", "-n", NS, "-o", "wide", check=False)
+        raise AssertionError(f"{exc}\n{state.stdout}") from None
+
+
+def _engine_max_num_seqs(pod: dict) -> int:
+    """The maxNumSeqs the engine runs with, from its own /metrics."""
+    text = httpx.get(f"http://{pod['status']['podIP']}:{contract.ENGINE_PORT}/metrics", timeout=10).text
+    return int(parse_snapshot(text, 0.0).gauges[contract.MAX_NUM_SEQS])
+
+
+def _operator_restarts(kube) -> int:
+    pods = kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
+    return sum(s["restartCount"] for p in pods for s in (p.get("status") or {}).get("containerStatuses") or [])
+
+
+def _complete(client: httpx.Client, base: str, model: str) -> int:
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    return client.post(f"{base}/v1/completions", json=body).status_code
+
+
+@contextmanager
+def _stopped(cluster, names: tuple[str, ...]):
+    """The components stopped (last started first) while the block runs, then started again in start
+    order; whatever happens in the block, the cluster is whole afterwards."""
+    in_order = sorted(names, key=components.ORDER.index)
+    try:
+        for name in reversed(in_order):
+            cluster.cluster.stop_component(name)
+        yield
+    finally:
+        for name in in_order:
+            if name not in {s.name for s in cluster.cluster.status() if s.health is Health.RUNNING}:
+                cluster.cluster.start_component(name)
+
+
+def test_a_rollout_converges_through_api_server_and_etcd_restarts(cluster, kube, tuned, capsys):
+    rng = random.Random(0)
+    before = _children_once(kube)
+    token, tuning = before["Secret"]["data"], before["ConfigMap"]["data"]
+    uids = {kind: child["metadata"]["uid"] for kind, child in before.items()}
+    rows = []
+    for round_ in range(ROUNDS):
+        fault = FAULTS[round_ % len(FAULTS)]
+        mib = 65 + round_
+        restarts_before = _operator_restarts(kube)
+        old_pod = _engine_pods(kube)[0]
+        old_url = f"http://{old_pod['status']['podIP']}:{contract.ENGINE_PORT}"
+        with httpx.Client(timeout=60) as client:
+            model = client.get(f"{old_url}/v1/models").json()["data"][0]["id"]
+            cluster.kubectl("patch", "kvis", NAME, "-n", NS, "--type", "merge",
+                            "-p", json.dumps({"spec": {"engine": {"extraArgs": _kv_cache_args(mib)}}}))
+            # The rollout has begun: the operator rendered the new template and its pod is starting.
+            wait_until(lambda: any(_kv_cache_mib(p) == mib for p in _engine_pods(kube)), 60, "the new pod")
+            time.sleep(rng.uniform(0.0, 1.0))
+            assert not any(_ready(p) for p in _engine_pods(kube) if _kv_cache_mib(p) == mib), "rollout already done"
+            stopped_at = time.monotonic()
+            with _stopped(cluster, fault):
+                served = [_complete(client, old_url, model) for _ in range(3)]  # the data plane goes on
+                time.sleep(max(0.0, DOWN_S - (time.monotonic() - stopped_at)))
+            back_at = time.monotonic()
+        children = _converged(cluster, kube, mib)
+        converged_at = time.monotonic()
+
+        assert served == [200, 200, 200], f"the old pod stopped serving while {' and '.join(fault)} was down"
+        assert {kind: child["metadata"]["uid"] for kind, child in children.items()} == uids  # none recreated
+        assert children["Secret"]["data"] == token  # the engines' admin token is never regenerated
+        assert children["ConfigMap"]["data"] == tuning  # the tuned state, not the spec's 16
+        assert _status(kube)["engine"]["maxNumSeqs"] == TUNED_MAX_NUM_SEQS
+        assert _engine_max_num_seqs(_engine_pods(kube)[0]) == TUNED_MAX_NUM_SEQS  # read at start from the file
+        rows.append((" + ".join(fault), back_at - stopped_at, converged_at - back_at,
+                     _operator_restarts(kube) - restarts_before))
+
+    with capsys.disabled():
+        print(f"\ncontrol-plane restarts mid-rollout ({ROUNDS}):")
+        for fault, down, after, restarts in rows:
+            print(f"  {fault}: down {down:.1f} s, converged {after:.1f} s later, operator restarts {restarts}")
