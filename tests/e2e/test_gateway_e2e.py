@@ -7,8 +7,8 @@ generated tiny model from real `kvpilot serve` processes on the CPU. The tests r
 file order and share the services: routing by model (plain and streamed, through the
 official openai client), then a pod killed under load and a scale-down under load, with
 no failed request that had not started streaming; a service at zero replicas woken by its first
-request; and the autoscaler taking an idle service to zero, which a request wakes again while the
-autoscaler counts it, held at the gateway, as demand.
+request; the autoscaler taking an idle service to zero, which a request wakes again; and a request
+held for a service whose replica cannot start, which the autoscaler counts as demand while it waits.
 """
 
 from __future__ import annotations
@@ -230,17 +230,6 @@ def test_a_service_at_zero_replicas_answers_its_first_request_after_the_cold_sta
     cluster.kubectl("delete", "kvis", "cold", "-n", NS, "--wait=true", "--timeout=60s")
 
 
-def _held_demand_while(thread: threading.Thread, kube, name: str) -> list[dict]:
-    """The service's status.autoscaling each time it counted requests held at the gateway, while ``thread`` runs."""
-    counted = []
-    while thread.is_alive():
-        autoscaling = ((kube.get_inference_service(NS, name) or {}).get("status") or {}).get("autoscaling") or {}
-        if autoscaling.get("heldRequests", 0) >= 1 and autoscaling not in counted:
-            counted.append(autoscaling)
-        time.sleep(0.5)
-    return counted
-
-
 def test_autoscaling_takes_an_idle_service_to_zero_and_a_request_wakes_it(cluster, kube, gateway_url,
                                                                           tiny_model_dir):
     idle = _service("idle", "idle", tiny_model_dir)
@@ -254,17 +243,44 @@ def test_autoscaling_takes_an_idle_service_to_zero_and_a_request_wakes_it(cluste
                              "involvedObject.kind=InferenceService,involvedObject.name=idle").stdout
     assert "scaleToZeroAfterSeconds 30" in events
     _wait(cluster, lambda: _routable(gateway_url, "idle", 0), 60, "the idle service's pod to go")
-    woken: dict = {}
-    waking = threading.Thread(target=lambda: woken.setdefault(
-        "response", _complete(gateway_url, "idle", "Wake up", timeout=ENGINE_READY_S)))  # held while it wakes
-    waking.start()
-    counted = _held_demand_while(waking, kube, "idle")
-    waking.join(ENGINE_READY_S)
-    response = woken["response"]
+    response = _complete(gateway_url, "idle", "Wake up", timeout=ENGINE_READY_S)  # held while it wakes
     assert response.status_code == 200, response.text
     assert kube.get_inference_service(NS, "idle")["spec"]["replicas"] == 1
-    # The operator read the request held at the gateway and its autoscaler counted it (the replica
-    # starts for seconds: the control loop runs every 5 s here).
-    assert counted and "held at the gateway" in counted[0]["reason"], _diagnostics(cluster, kube)
-    print(f"\nheld demand seen by the autoscaler while the idle service woke: {counted[0]}")
     cluster.kubectl("delete", "kvis", "idle", "-n", NS, "--wait=true", "--timeout=60s")
+
+
+def _autoscaling(kube, name: str) -> dict:
+    return ((kube.get_inference_service(NS, name) or {}).get("status") or {}).get("autoscaling") or {}
+
+
+def test_the_autoscaler_counts_a_request_held_at_the_gateway_as_demand(cluster, kube, gateway_url, tiny_model_dir):
+    """Its replica stays Pending (no node has 8 GPUs), so the request is held for as long as the client
+    waits: the operator reads it from the gateway every interval (5 s here) and stops counting it once
+    the client gives up."""
+    stuck = _service("stuck", "stuck", tiny_model_dir)
+    stuck["spec"]["replicas"] = 0
+    stuck["spec"]["resources"] = {"gpus": 8}
+    stuck["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfterSeconds": 30}
+    _apply(cluster, stuck)
+    _wait(cluster, lambda: _routable(gateway_url, "stuck", 0), 60, "stuck listed by the gateway at zero replicas")
+    _wait(cluster, lambda: _autoscaling(kube, "stuck").get("heldRequests") == 0, 60, "the autoscaler's first look")
+    outcome: list = []
+
+    def held_request() -> None:
+        try:
+            outcome.append(_complete(gateway_url, "stuck", "Hello", timeout=30))
+        except httpx.TimeoutException as exc:
+            outcome.append(exc)
+
+    client = threading.Thread(target=held_request)
+    client.start()
+    counted = _wait(cluster, lambda: (s := _autoscaling(kube, "stuck")).get("heldRequests") == 1 and s, 25,
+                    "the autoscaler to count the held request")
+    assert "1 request(s) held at the gateway" in counted["reason"], counted
+    assert kube.get_inference_service(NS, "stuck")["spec"]["replicas"] == 1
+    client.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], httpx.TimeoutException), outcome  # still held at 30 s
+    _wait(cluster, lambda: _autoscaling(kube, "stuck").get("heldRequests") == 0, 30,
+          "the request the client gave up on to leave the autoscaler's count")
+    print(f"\nthe autoscaler's decision while a request was held: {counted}")
+    cluster.kubectl("delete", "kvis", "stuck", "-n", NS, "--wait=true", "--timeout=60s")
