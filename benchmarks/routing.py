@@ -7,19 +7,24 @@ few-shot block per group, then a short distinct question). Every request streams
 of ``--output-tokens`` tokens (EOS ignored). The same requests, in the same order, at the same
 concurrency, go
 
-- ``gateway``: through `kvpilot gateway` (benchmarks/routing_gateway.py: the gateway's app over
-  a fixed route table), which picks a replica by prefix affinity with bounded load;
+- ``gateway@F``: through `kvpilot gateway` (benchmarks/routing_gateway.py: the gateway's app over
+  a fixed route table) with ``--load-factor F``, which picks a replica by prefix affinity with
+  bounded load (one such system per factor given);
 - ``round-robin``: alternately to each replica, as a Kubernetes Service spreads connections.
 
 Each system gets freshly started replicas (empty prefix caches) in each repeat; the order of
-the systems alternates between repeats. Reported per run: the prefix-cache hit rate (prompt
-tokens found cached / prompt tokens looked up, summed over both replicas' /metrics), TTFT P50
-and P99 (send to first text), output tokens/s (over the wall time from the first send to the
-last completion), and failures; then the median of each over the repeats with its min-max, and
-the gateway's ratios to round-robin.
+the systems rotates between repeats. Reported per run: the prefix-cache hit rate (prompt
+tokens found cached / prompt tokens, over every request, from the `cached_tokens` of each
+response's usage: what the replica found when it first admitted the request), TTFT P50 and P99
+(send to first text), output tokens/s (over the wall time from the first send to the last
+completion), and failures; as context, the engines' own hit-rate counters (which also count the
+re-admission of a preempted request, often a hit on its own blocks), their preemptions and, for
+the gateway, the share of its decisions that spilled a prefix to its second pod. Then the median
+of each over the repeats with its min-max, and the gateway's ratios to round-robin.
 
-    python benchmarks/routing.py                 # ~10 min on 2 cores
+    python benchmarks/routing.py                 # ~2 min on 2 cores
     python benchmarks/routing.py --repeat 3      # medians over 3 runs per system
+    python benchmarks/routing.py --load-factor 1.25 1.5 2 --repeat 2   # affinity against balance
 """
 
 from __future__ import annotations
@@ -41,7 +46,10 @@ import aiohttp
 from serving import SERVED_NAME, RequestRecord, stream_one
 from serving_common import ServerProcess, benchmark_model, free_port
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvpilot import engine_contract as names
+from kvpilot import gateway_contract
 
 HERE = Path(__file__).resolve().parent
 
@@ -49,16 +57,19 @@ HERE = Path(__file__).resolve().parent
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2, small (generated) or a model folder")
-    parser.add_argument("--groups", type=int, default=12, help="groups of requests sharing a prefix")
-    parser.add_argument("--requests-per-group", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=32, help="groups of requests sharing a prefix")
+    parser.add_argument("--requests-per-group", type=int, default=6)
     parser.add_argument("--prefix-words", type=int, default=300, help="words of each group's shared prefix")
     parser.add_argument("--question-words", type=int, nargs=2, default=(6, 14))
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8, help="clients, each sending its next request when "
                         "its last one ends")
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--kv-cache-memory", default="64MiB", help="per replica: about half the groups' prefixes")
-    parser.add_argument("--load-factor", type=float, default=1.25, help="the gateway's --load-factor")
+    parser.add_argument("--kv-cache-memory", default="200MiB", help="per replica: about half the groups' prefixes "
+                        "(SmolLM2 in bfloat16: 22.5 KiB a token)")
+    parser.add_argument("--load-factor", type=float, nargs="+", default=[1.25],
+                        help="the gateway's --load-factor (default: its default); several: one gateway system "
+                             "each, the trade-off between prefix affinity and balance")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
@@ -104,10 +115,10 @@ def start_engines(model: Path, args: argparse.Namespace) -> list[ServerProcess]:
     return engines
 
 
-def start_gateway(engines: list[ServerProcess], args: argparse.Namespace) -> ServerProcess:
+def start_gateway(engines: list[ServerProcess], load_factor: float) -> ServerProcess:
     port = free_port()
     command = [sys.executable, "-P", str(HERE / "routing_gateway.py"), "--port", str(port), "--model", SERVED_NAME,
-               "--load-factor", str(args.load_factor)]
+               "--load-factor", str(load_factor)]
     for engine in engines:
         command += ["--backend", engine.url]
     gateway = ServerProcess("routing-gateway", command, port)
@@ -115,17 +126,21 @@ def start_gateway(engines: list[ServerProcess], args: argparse.Namespace) -> Ser
     return gateway
 
 
-def prefix_cache_counts(engines: list[ServerProcess]) -> tuple[float, float]:
-    """(hits, queries) in prompt tokens, summed over the engines."""
-    hits = queries = 0.0
-    for engine in engines:
-        with urllib.request.urlopen(engine.url + names.METRICS_PATH, timeout=10) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith(names.PREFIX_CACHE_HITS):
-                    hits += float(line.rsplit(" ", 1)[1])
-                elif line.startswith(names.PREFIX_CACHE_QUERIES):
-                    queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+def scrape(servers: list[ServerProcess], wanted: set[str]) -> dict[tuple[str, str], float]:
+    """{(sample name, its reason label or ""): value}, summed over the servers' /metrics."""
+    totals: dict[tuple[str, str], float] = {}
+    for server in servers:
+        with urllib.request.urlopen(server.url + names.METRICS_PATH, timeout=10) as response:
+            for family in text_string_to_metric_families(response.read().decode()):
+                for sample in family.samples:
+                    if sample.name in wanted:
+                        key = (sample.name, sample.labels.get(gateway_contract.REASON_LABEL, ""))
+                        totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+ROUND_ROBIN = "round-robin"
+ENGINE_COUNTERS = {names.PREFIX_CACHE_HITS, names.PREFIX_CACHE_QUERIES, names.PREEMPTIONS}
 
 
 # ------------------------------------------------------------------------------------- one run
@@ -138,7 +153,10 @@ class RunResult:
     ok: int
     failed: int
     seconds: float
-    hit_rate: float
+    hit_rate: float  # cached prompt tokens / prompt tokens, over the requests' usage
+    engine_hit_rate: float  # the engines' counters (re-admissions after preemption included)
+    preemptions: int
+    spill_share: float | None  # gateway decisions that went to a prefix's second pod
     ttft_p50: float | None
     ttft_p99: float | None
     output_tokens_per_s: float
@@ -172,14 +190,15 @@ def run(system: str, repeat: int, model: Path, prompts: list[str], args: argpars
     engines = start_engines(model, args)
     gateway = None
     try:
-        if system == "gateway":
-            gateway = start_gateway(engines, args)
+        if system != ROUND_ROBIN:
+            gateway = start_gateway(engines, load_factor=float(system.removeprefix("gateway@")))
             targets = [gateway.url]
         else:
             targets = [engine.url for engine in engines]
-        hits_before, queries_before = prefix_cache_counts(engines)
+        before = scrape(engines, ENGINE_COUNTERS)
         records, seconds = asyncio.run(closed_loop(targets, prompts, args))
-        hits, queries = prefix_cache_counts(engines)
+        after = scrape(engines, ENGINE_COUNTERS)
+        decisions = scrape([gateway], {gateway_contract.ROUTING_DECISIONS}) if gateway else {}
     finally:
         if gateway is not None:
             gateway.stop()
@@ -187,9 +206,15 @@ def run(system: str, repeat: int, model: Path, prompts: list[str], args: argpars
             engine.stop()
     ok = [r for r in records if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
-    looked_up = queries - queries_before
+    delta = {name: after.get((name, ""), 0.0) - before.get((name, ""), 0.0) for name in ENGINE_COUNTERS}
+    looked_up = delta[names.PREFIX_CACHE_QUERIES]
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    spills = decisions.get((gateway_contract.ROUTING_DECISIONS, gateway_contract.REASON_PREFIX_SPILL), 0.0)
     return RunResult(system, repeat, len(ok), len(records) - len(ok), seconds,
-                     (hits - hits_before) / looked_up if looked_up else 0.0,
+                     sum(r.cached_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
+                     delta[names.PREFIX_CACHE_HITS] / looked_up if looked_up else 0.0,
+                     int(delta[names.PREEMPTIONS]),
+                     spills / sum(decisions.values()) if decisions else None,
                      pct(ttft, 0.5), pct(ttft, 0.99), sum(r.output_tokens for r in ok) / seconds)
 
 
@@ -202,23 +227,33 @@ def median_spread(values: list[float]) -> str:
 
 def report(results: list[RunResult]) -> None:
     print("\nevery run:")
-    print(f"{'system':<12} {'run':>3} {'ok':>4} {'fail':>4} {'hit rate':>8} {'TTFT P50':>9} {'TTFT P99':>9} "
-          f"{'tok/s':>7} {'seconds':>8}")
+    print(f"{'system':<14} {'run':>3} {'ok':>4} {'fail':>4} {'hit rate':>8} {'TTFT P50':>9} {'TTFT P99':>9} "
+          f"{'tok/s':>7} {'seconds':>8} {'engine hit rate':>15} {'preempted':>9} {'spilled':>7}")
     for r in results:
-        print(f"{r.system:<12} {r.repeat:>3} {r.ok:>4} {r.failed:>4} {r.hit_rate:>8.3f} {r.ttft_p50 or 0:>9.3f} "
-              f"{r.ttft_p99 or 0:>9.3f} {r.output_tokens_per_s:>7.1f} {r.seconds:>8.1f}")
+        spilled = "-" if r.spill_share is None else f"{r.spill_share:.3f}"
+        print(f"{r.system:<14} {r.repeat:>3} {r.ok:>4} {r.failed:>4} {r.hit_rate:>8.3f} {r.ttft_p50 or 0:>9.3f} "
+              f"{r.ttft_p99 or 0:>9.3f} {r.output_tokens_per_s:>7.1f} {r.seconds:>8.1f} {r.engine_hit_rate:>15.3f} "
+              f"{r.preemptions:>9} {spilled:>7}")
     print("\nmedian [min-max] over runs:")
     medians = {}
-    for system in ("gateway", "round-robin"):
+    systems = list(dict.fromkeys(r.system for r in results))
+    for system in systems:
         mine = [r for r in results if r.system == system]
         figures = {"hit_rate": [r.hit_rate for r in mine], "ttft_p50": [r.ttft_p50 or 0 for r in mine],
                    "ttft_p99": [r.ttft_p99 or 0 for r in mine], "tok_s": [r.output_tokens_per_s for r in mine]}
         medians[system] = {k: statistics.median(v) for k, v in figures.items()}
-        print(f"{system:<12} " + "  ".join(f"{k} {median_spread(v)}" for k, v in figures.items()))
-    g, rr = medians["gateway"], medians["round-robin"]
-    hit_ratio = f"x{g['hit_rate'] / rr['hit_rate']:.2f}" if rr["hit_rate"] else "(round-robin had none)"
-    print(f"\ngateway / round-robin: hit rate {hit_ratio}, TTFT P50 x{g['ttft_p50'] / rr['ttft_p50']:.2f}, "
-          f"TTFT P99 x{g['ttft_p99'] / rr['ttft_p99']:.2f}, throughput x{g['tok_s'] / rr['tok_s']:.2f}")
+        print(f"{system:<14} " + "  ".join(f"{k} {median_spread(v)}" for k, v in figures.items()))
+    rr = medians[ROUND_ROBIN]
+    print("\nratios of medians to round-robin (goal: hit rate >= 2x with a lower TTFT P99):")
+    for system in systems:
+        if system == ROUND_ROBIN:
+            continue
+        g = medians[system]
+        hit_ratio = g["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
+        met = hit_ratio >= 2 and g["ttft_p99"] < rr["ttft_p99"]
+        print(f"  {system}: hit rate x{hit_ratio:.2f}, TTFT P50 x{g['ttft_p50'] / rr['ttft_p50']:.2f}, "
+              f"TTFT P99 x{g['ttft_p99'] / rr['ttft_p99']:.2f}, throughput x{g['tok_s'] / rr['tok_s']:.2f} "
+              f"[{'met' if met else 'MISSED'}]")
 
 
 def main() -> None:
@@ -227,12 +262,13 @@ def main() -> None:
     prompts = workload(args)
     print(f"model {model}; {args.groups} groups x {args.requests_per_group} requests, {args.prefix_words}-word "
           f"prefixes; concurrency {args.concurrency}; {args.output_tokens} output tokens; "
-          f"KV cache {args.kv_cache_memory} per replica; gateway load factor {args.load_factor}; "
+          f"KV cache {args.kv_cache_memory} per replica; gateway load factors {args.load_factor}; "
           f"{os.cpu_count()} cores", flush=True)
     results = []
+    systems = [f"gateway@{factor:g}" for factor in args.load_factor] + [ROUND_ROBIN]
     for repeat in range(args.repeat):
-        order = ("gateway", "round-robin") if repeat % 2 == 0 else ("round-robin", "gateway")
-        for system in order:
+        shift = repeat % len(systems)  # each system goes first in turn
+        for system in systems[shift:] + systems[:shift]:
             result = run(system, repeat, model, prompts, args)
             print(f"  {system} run {repeat}: hit rate {result.hit_rate:.3f}, TTFT P50 {result.ttft_p50 or 0:.3f} s "
                   f"P99 {result.ttft_p99 or 0:.3f} s, {result.output_tokens_per_s:.1f} tok/s, "

@@ -75,6 +75,8 @@ class LoadPoint:
 class RequestRecord:
     ok: bool
     output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage.prompt_tokens_details)
     ttft: float | None = None
     tpot: float | None = None
     itls: list[float] = field(default_factory=list)
@@ -215,7 +217,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: str, outp
     }
     sent = time.perf_counter()
     text_times: list[float] = []
-    tokens = 0
+    tokens = prompt_tokens = cached_tokens = 0
     try:
         async with session.post(f"{url}/v1/completions", json=body) as response:
             if response.status != 200:
@@ -230,8 +232,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: str, outp
                 event = json.loads(data)
                 if event.get("choices") and event["choices"][0].get("text"):
                     text_times.append(time.perf_counter())
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
+                if usage := event.get("usage"):
+                    tokens, prompt_tokens = usage["completion_tokens"], usage["prompt_tokens"]
+                    cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     except aiohttp.ClientError as exc:
         return RequestRecord(ok=False, error=type(exc).__name__)
     if tokens != output_tokens or not text_times:
@@ -241,6 +244,8 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: str, outp
     return RequestRecord(
         ok=True,
         output_tokens=tokens,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
         ttft=first - sent,
         tpot=(last - first) / (tokens - 1) if tokens > 1 else None,
         itls=[b - a for a, b in zip(text_times, text_times[1:])],
