@@ -49,7 +49,7 @@ def register(subparsers) -> None:
     )
     add("up", _up, "start the cluster (reports it if already running) and wait until nodes are Ready")
     add("down", _down, "stop exactly the processes `up` started, and their pods")
-    add("status", _status, "report each component as running or crashed")
+    add("status", _status, "report each component as running, crashed or stopped")
     add("kubeconfig", _kubeconfig, "print the admin kubeconfig's path")
     component_help = "etcd, kube-apiserver, kube-controller-manager or kube-scheduler"
     stop = add(
