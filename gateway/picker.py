@@ -15,6 +15,15 @@ and warms a second cache rather than all of them. Requests with no prefix to
 follow go to the least loaded pod, ties broken by the request's own hash so
 that gateway replicas do not all pick the same pod.
 
+A prefix this gateway has not routed lately is cached nowhere: its owner saves
+it nothing now, and a burst of such requests (a cold start, new system prompts
+arriving together) piled onto owners is where the longest waits for a first
+token come from. So a new prefix goes to its owner only while the owner is at
+most at the mean load, otherwise to the least loaded pod; and a prefix routed
+lately follows the pod it last went to (which holds it now), then its ranking.
+The gateway remembers those pods (``prefix.RecentPrefixes``): a hint only, so a
+gateway that forgot, or another gateway replica, still routes correctly.
+
 Load is in requests: what this gateway has in flight to the pod plus what the
 engine last reported beyond that (``engine_load.py``).
 A pod whose KV cache is nearly full counts as over its share too: a new
@@ -39,7 +48,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class PickPolicy:
-    load_factor: float = 1.25  # a pod may carry this many times the mean load before its prefixes spill
+    load_factor: float = 1.5  # a pod may carry this many times the mean load before its prefixes spill
+    # (1.25, the paper's, spilled a fifth of the decisions with 2 replicas: docs/gateway.md, Benchmark)
     kv_cache_full: float = 0.95  # a pod this full would preempt for a new request: its prefixes spill too
 
     def __post_init__(self) -> None:
@@ -75,19 +85,26 @@ def load_bound(total_load: float, pods: int, load_factor: float) -> float:
 
 
 def pick(candidates: Sequence[Candidate], affinity: bytes | None, request_hash: bytes,
-         policy: PickPolicy = PickPolicy()) -> Pick | None:
-    """The pod for one request, or None when there is none; ``affinity`` is the prompt prefix's hash."""
+         policy: PickPolicy = PickPolicy(), *, last_pod: str | None = None, new_prefix: bool = False) -> Pick | None:
+    """The pod for one request, or None when there is none. ``affinity`` is the prompt prefix's hash;
+    ``last_pod`` the pod this gateway last sent that prefix to, ``new_prefix`` True when it sent it
+    nowhere lately."""
     if not candidates:
         return None
     by_key = {c.key: c for c in candidates}
     if affinity is not None:
-        bound = load_bound(sum(c.load for c in candidates), len(candidates), policy.load_factor)
+        total = sum(c.load for c in candidates)
+        # A new prefix: its owner only while at most at the mean; else the usual bound.
+        bound = total / len(candidates) + 1 if new_prefix else load_bound(total, len(candidates), policy.load_factor)
         ranking = rendezvous_rank(affinity, list(by_key))
-        for position, key in enumerate(ranking):
+        if last_pod in by_key:
+            ranking.remove(last_pod)
+            ranking.insert(0, last_pod)
+        for position, key in enumerate(ranking[:1] if new_prefix else ranking):
             if policy.has_room(by_key[key], bound):
                 return Pick(key, contract.REASON_PREFIX_AFFINITY if position == 0 else contract.REASON_PREFIX_SPILL)
     # Least loaded, then least KV in use; among equals, the request's own rendezvous choice.
     ties = rendezvous_rank(request_hash, list(by_key))
     least = min(ties, key=lambda key: (by_key[key].load, by_key[key].kv_cache_usage or 0.0))  # first of equals
-    reason = contract.REASON_LEAST_LOADED if affinity is None else contract.REASON_PREFIX_SPILL
+    reason = contract.REASON_PREFIX_SPILL if affinity is not None and not new_prefix else contract.REASON_LEAST_LOADED
     return Pick(least, reason)

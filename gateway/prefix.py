@@ -10,6 +10,7 @@ prompt share a key, while unrelated prompts rarely do.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from typing import Any
 
 
@@ -59,3 +60,22 @@ def affinity_key(body: dict[str, Any], chars: int) -> bytes | None:
         return None
     model = str(body.get("model", ""))
     return hashlib.blake2b(f"{model}\0{prefix}".encode(), digest_size=16).digest()
+
+
+class RecentPrefixes:
+    """For each affinity key this gateway routed lately, the pod it last went to; the least recent
+    forgotten past ``capacity``. Each gateway replica keeps its own: a hint for the picker
+    (picker.pick's ``last_pod`` and ``new_prefix``), never needed for a correct answer."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._pods: OrderedDict[bytes, str] = OrderedDict()
+
+    def last_pod(self, key: bytes) -> str | None:
+        return self._pods.get(key)
+
+    def record(self, key: bytes, pod: str) -> None:
+        self._pods[key] = pod
+        self._pods.move_to_end(key)
+        while len(self._pods) > self.capacity:
+            self._pods.popitem(last=False)

@@ -44,7 +44,7 @@ from kvpilot.gateway.engine_load import LoadBoard
 from kvpilot.gateway.errors import error_response
 from kvpilot.gateway.metrics import UNKNOWN_MODEL, GatewayMetrics
 from kvpilot.gateway.picker import PickPolicy, pick
-from kvpilot.gateway.prefix import affinity_key
+from kvpilot.gateway.prefix import RecentPrefixes, affinity_key
 from kvpilot.gateway.routes import Backend, Route
 from kvpilot.gateway.settings import GatewaySettings
 from kvpilot.gateway.waker import Waker
@@ -97,6 +97,7 @@ class Proxy:
         self.waker = waker
         self.session: aiohttp.ClientSession | None = None  # opened with the app (server.build_app)
         self.policy = PickPolicy(load_factor=settings.load_factor)
+        self.recent_prefixes = RecentPrefixes()
         self.held: dict[str, int] = {}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -148,19 +149,22 @@ class Proxy:
 
     async def _serve(self, request: web.Request, model: str, raw: bytes, body: dict[str, Any]) -> web.StreamResponse:
         affinity = affinity_key(body, self.settings.prefix_chars)
+        last_pod = None if affinity is None else self.recent_prefixes.last_pod(affinity)
         request_hash = os.urandom(8)
         tried: set[str] = set()
         refusal: Refusal | None = None
         failed: Backend | None = None
         while True:
             may_hold = refusal is None or refusal.reason != "status_429"
-            acquired = await self._acquire(model, affinity, request_hash, frozenset(tried), may_hold)
+            acquired = await self._acquire(model, affinity, last_pod, request_hash, frozenset(tried), may_hold)
             if isinstance(acquired, web.Response):
                 return acquired
             if acquired is None:  # nowhere else to go: the first pod's answer stands
                 assert refusal is not None and failed is not None
                 return refusal.response(failed, model)
             backend, reason = acquired
+            if affinity is not None:
+                self.recent_prefixes.record(affinity, backend.key)
             if refusal is not None:
                 self.metrics.retries.labels(model, refusal.reason).inc()
             self.metrics.decisions.labels(model, reason).inc()
@@ -174,8 +178,8 @@ class Proxy:
             tried.add(backend.key)
             refusal, failed = outcome, backend
 
-    async def _acquire(self, model: str, affinity: bytes | None, request_hash: bytes, tried: frozenset[str],
-                       may_hold: bool) -> tuple[Backend, str] | web.Response | None:
+    async def _acquire(self, model: str, affinity: bytes | None, last_pod: str | None, request_hash: bytes,
+                       tried: frozenset[str], may_hold: bool) -> tuple[Backend, str] | web.Response | None:
         """A pod for the request and why; a response when there is none in time; None when a retry
         finds no other pod and may not wait for one."""
         loop = asyncio.get_running_loop()
@@ -185,7 +189,8 @@ class Proxy:
                 route = self.table.routes.get(model)
                 if route is None:
                     return self.unknown_model(model)
-                choice = pick(self.board.candidates(route.backends, tried), affinity, request_hash, self.policy)
+                choice = pick(self.board.candidates(route.backends, tried), affinity, request_hash, self.policy,
+                              last_pod=last_pod, new_prefix=affinity is not None and last_pod is None)
                 if choice is not None:
                     backend = next(b for b in route.backends if b.key == choice.key)
                     return backend, contract.REASON_RETRY if tried else choice.reason

@@ -12,7 +12,7 @@ class GatewaySettings:
     host: str = "0.0.0.0"
     port: int = contract.GATEWAY_PORT
     prefix_chars: int = 256  # characters of the prompt that prefix affinity follows; 0 turns it off
-    load_factor: float = 1.25  # a pod may carry this many times the mean load before its prefixes spill
+    load_factor: float = 1.5  # a pod may carry this many times the mean load before its prefixes spill
     scrape_interval_seconds: float = 1.0  # how often the engines' load gauges are read
     max_held_requests: int = 256  # per model, waiting for a Ready pod; more get 503 at once
     hold_timeout_seconds: float = 300.0  # longest a request waits for a Ready pod before a 503

@@ -18,7 +18,7 @@ ROUTE_REASON_HEADER = "x-kvpilot-route-reason"  # one of the REASON_* values bel
 # Label values of ROUTING_DECISIONS' `reason`.
 REASON_PREFIX_AFFINITY = "prefix_affinity"  # the prompt's prefix owner took it
 REASON_PREFIX_SPILL = "prefix_spill"  # the prefix owner was over its share: the next in its ranking
-REASON_LEAST_LOADED = "least_loaded"  # no prefix to follow: the least loaded pod
+REASON_LEAST_LOADED = "least_loaded"  # no prefix to follow, or a new one its owner had no room for: the least loaded pod
 REASON_RETRY = "retry"  # the first pod refused before any byte: another one
 
 # Metrics (exposed names).

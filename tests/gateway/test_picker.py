@@ -54,7 +54,7 @@ def test_an_overloaded_owner_spills_to_the_next_pod_of_its_ranking():
     affinity = _hash("popular system prompt")
     owner, second = rendezvous_rank(affinity, PODS)[:2]
     loads = {k: 1.0 for k in PODS}
-    loads[owner] = 10.0  # far over 1.25 x the mean
+    loads[owner] = 10.0  # far over 1.5 x the mean
     result = pick([Candidate(k, v) for k, v in loads.items()], affinity, b"r")
     assert result.key == second and result.reason == contract.REASON_PREFIX_SPILL
 
@@ -63,7 +63,7 @@ def test_the_owner_keeps_its_prefix_while_within_its_share():
     affinity = _hash("popular system prompt")
     owner = rendezvous_rank(affinity, PODS)[0]
     loads = {k: 4.0 for k in PODS}
-    loads[owner] = 4.0  # mean 4, bound 1.25 * 17 / 4 = 5.3: room for one more
+    loads[owner] = 5.0  # mean 4.25, bound 1.5 * 18 / 4 = 6.75: room for one more
     assert pick([Candidate(k, v) for k, v in loads.items()], affinity, b"r").key == owner
 
 
@@ -82,6 +82,32 @@ def test_a_stream_of_one_prefix_never_puts_more_than_the_bound_on_a_pod():
     # No pod ends over 1.25 x the mean; the prefix's first pods are full, the last takes the rest.
     assert max(loads.values()) <= 1.25 * 200 / len(PODS) + 1
     assert loads[rendezvous_rank(affinity, PODS)[0]] == max(loads.values())
+
+
+def test_a_new_prefix_goes_to_its_owner_only_at_or_below_the_mean():
+    affinity = _hash("a system prompt nobody sent yet")
+    owner = rendezvous_rank(affinity, PODS)[0]
+    loads = dict.fromkeys(PODS, 4.0)
+    loads[owner] = 5.0  # within 1.5 x the mean (a known prefix stays), above the mean (a new one moves)
+    candidates = [Candidate(k, v) for k, v in loads.items()]
+    assert pick(candidates, affinity, b"r").key == owner
+    moved = pick(candidates, affinity, b"r", new_prefix=True)
+    assert moved.key != owner and moved.reason == contract.REASON_LEAST_LOADED
+    loads[owner] = 4.0  # at the mean
+    assert pick([Candidate(k, v) for k, v in loads.items()], affinity, b"r", new_prefix=True).key == owner
+
+
+def test_a_prefix_follows_the_pod_it_last_went_to_within_the_bound():
+    affinity = _hash("a system prompt placed on a pod that is not its owner")
+    ranking = rendezvous_rank(affinity, PODS)
+    last = ranking[-1]
+    loads = dict.fromkeys(PODS, 0.0)
+    result = pick([Candidate(k, v) for k, v in loads.items()], affinity, b"r", last_pod=last)
+    assert result.key == last and result.reason == contract.REASON_PREFIX_AFFINITY
+    loads[last] = 10.0  # over its share: the prefix's own ranking takes over
+    assert pick([Candidate(k, v) for k, v in loads.items()], affinity, b"r", last_pod=last).key == ranking[0]
+    gone = [Candidate(k, 0.0) for k in PODS if k != last]  # the pod left: the ranking again
+    assert pick(gone, affinity, b"r", last_pod=last).key == ranking[0]
 
 
 def test_a_nearly_full_kv_cache_counts_as_over_its_share():

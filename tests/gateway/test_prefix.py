@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.gateway.prefix import affinity_key, prompt_prefix
+from kvpilot.gateway.prefix import RecentPrefixes, affinity_key, prompt_prefix
 
 SYSTEM = "You are a careful assistant. " * 20  # 580 characters
 
@@ -39,3 +39,12 @@ def test_chat_content_parts_are_read_as_text():
 def test_zero_chars_or_no_prompt_means_no_affinity():
     assert affinity_key({"model": "m", "prompt": "Hello"}, 0) is None
     assert affinity_key({"model": "m"}, 256) is None
+
+
+def test_recent_prefixes_remember_the_last_pod_and_forget_the_least_recent():
+    recent = RecentPrefixes(capacity=2)
+    recent.record(b"a", "ns/pod-0")
+    recent.record(b"b", "ns/pod-1")
+    recent.record(b"a", "ns/pod-1")  # a is now the most recent, on its new pod
+    recent.record(b"c", "ns/pod-0")  # b, the least recent, is forgotten
+    assert [recent.last_pod(k) for k in (b"a", b"b", b"c")] == ["ns/pod-1", None, "ns/pod-0"]
