@@ -338,7 +338,9 @@ class PodWorker(threading.Thread):
 
     def _post_status(self, pod: dict) -> None:
         status = self._status(pod)
-        if status == self.last_posted:
+        # Posted again when the API's copy says otherwise, as a kubelet's status manager reconciles:
+        # after a long API outage the node controller marks the pods of "unreachable" nodes not Ready.
+        if status == self.last_posted and _phase_and_ready(pod.get("status") or {}) == _phase_and_ready(status):
             return
         meta = pod["metadata"]
         try:
@@ -351,3 +353,8 @@ class PodWorker(threading.Thread):
                 self.gone()
             else:
                 log.warning("pod %s: status update failed: %s", pod_key(pod), exc)
+
+
+def _phase_and_ready(status: dict) -> tuple[str | None, str | None]:
+    ready = next((c.get("status") for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    return status.get("phase"), ready

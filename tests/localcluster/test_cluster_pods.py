@@ -409,3 +409,30 @@ def test_missing_configmap_holds_the_container_until_it_exists(local_cluster):
         assert local_cluster.kubectl("logs", name).stdout == "fast"
     finally:
         local_cluster.kubectl("delete", "pod,configmap", name, "--ignore-not-found", "--wait=false")
+
+
+def test_a_ready_condition_overwritten_in_the_api_is_put_back(local_cluster):
+    # What the node controller does to the pods of a node whose heartbeats stopped (a long API outage).
+    name = f"marked-{uuid.uuid4().hex[:6]}"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "ignored", "command": ["sleep", "300"]}],
+        },
+    }
+    _apply(local_cluster, pod)
+
+    def ready() -> str | None:
+        conditions = _pod(local_cluster, name)["status"].get("conditions") or []
+        return next((c["status"] for c in conditions if c["type"] == "Ready"), None)
+
+    try:
+        wait_until(lambda: ready() == "True", 30, "the pod Ready")
+        local_cluster.kubectl("patch", "pod", name, "--subresource=status", "-p",
+                              json.dumps({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}))
+        wait_until(lambda: ready() == "True", 10, "the kubelet to report the pod Ready again")
+    finally:
+        local_cluster.kubectl("delete", "pod", name, "--wait=false")
