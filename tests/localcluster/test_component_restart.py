@@ -118,6 +118,8 @@ def test_a_port_taken_while_stopped_fails_the_start_and_names_the_ports(cluster)
     port = cluster.state.read_record().ports["etcd"]
     cluster.stop_component("etcd")
     with socket.socket() as squatter:
+        # The stopped etcd's health-check connections may linger in TIME_WAIT on the port.
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", port))
         squatter.listen()
         with pytest.raises(ClusterError, match=rf"etcd exited during start-up on its old ports \(etcd {port}, "):
