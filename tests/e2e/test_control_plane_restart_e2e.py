@@ -32,6 +32,7 @@ from kvpilot.localcluster import components
 from kvpilot.localcluster.cluster import Health
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
+from kvpilot.operator.status import pod_ready
 from kvpilot.operator.engine_metrics import parse_snapshot
 from kvpilot.operator.spec import EngineSettings, parse_spec
 
@@ -50,16 +51,13 @@ DOWN_S = float(os.environ.get("KVPILOT_CP_DOWN_SECONDS", "3"))
 SPEC_MAX_NUM_SEQS = 16
 TUNED_MAX_NUM_SEQS = 24  # the tuner's stored value: the upper bound, so with no SLO pressure it holds
 CONVERGE_S = 240  # an engine start loads torch and the model on 2 shared cores
-CHILDREN = (("apps/v1", "Deployment", NAME), ("v1", "Service", NAME),
-            ("v1", "ConfigMap", builders.tuning_configmap_name(NAME)), ("v1", "Secret", builders.admin_secret_name(NAME)))
-
 
 def _kv_cache_args(mib: int) -> list[str]:
     return ["--device", "cpu", "--kv-cache-memory", f"{mib}MiB"]
 
 
 @pytest.fixture(scope="module")
-def tuned(cluster, kube, tiny_model_dir):
+def tuned(cluster, kube, children_once, tiny_model_dir):
     """The operator installed, the service serving, and a tuned state stored as the tuner stores it."""
     cluster.kubectl("create", "namespace", NS)
     cluster.helm(
@@ -84,7 +82,7 @@ def tuned(cluster, kube, tiny_model_dir):
         },
     }  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
-    _converged(cluster, kube, 64)
+    _converged(cluster, kube, children_once, 64)
     spec = parse_spec(manifest["spec"])
     tuned_settings = EngineSettings.of(spec.engine).model_copy(update={"max_num_seqs": TUNED_MAX_NUM_SEQS})
     kube.apply(builders.build_tuning_configmap(NAME, NS, spec, tuned_settings),
@@ -95,10 +93,6 @@ def tuned(cluster, kube, tiny_model_dir):
     cluster.kubectl("delete", "kvis", NAME, "-n", NS, "--wait=true", "--timeout=60s", check=False)
     cluster.helm("uninstall", RELEASE, "--namespace", NS, "--wait", check=False)
     cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
-
-
-def _ready(obj: dict) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in (obj.get("status") or {}).get("conditions", []))
 
 
 def _status(kube) -> dict:
@@ -115,28 +109,15 @@ def _kv_cache_mib(pod_or_template: dict) -> int:
     return int(args[args.index("--kv-cache-memory") + 1].removesuffix("MiB"))
 
 
-def _children_once(kube) -> dict[str, dict]:
-    """Each child kind exactly once among the objects labeled for the service."""
-    selector = f"{builders.INSTANCE_LABEL}={NAME}"
-    found = {}
-    for api_version, kind, name in CHILDREN:
-        objects = [o for o in kube.list(api_version, kind, NS, label_selector=selector)
-                   if not o["metadata"].get("deletionTimestamp")]
-        assert [o["metadata"]["name"] for o in objects] in ([], [name]), f"duplicate {kind}: {objects}"
-        if objects:
-            found[kind] = objects[0]
-    return found
-
-
-def _converged(cluster, kube, kv_cache_mib: int) -> dict[str, dict]:
+def _converged(cluster, kube, children_once, kv_cache_mib: int) -> dict[str, dict]:
     """Waits until the service serves its spec (Ready, neither progressing nor degraded, at its generation;
     every child there once; the Deployment rolled out to one Ready pod of the template with
     ``kv_cache_mib``); returns the children."""
     def converged():
         kvis = kube.get_inference_service(NS, NAME) or {}
         status = kvis.get("status") or {}
-        children = _children_once(kube)
-        if len(children) < len(CHILDREN) or not _ready(kvis):
+        children = children_once(NS, NAME)
+        if len(children) < 4 or not pod_ready(kvis):  # Deployment, Service, ConfigMap, Secret
             return None
         if status.get("observedGeneration") != kvis["metadata"]["generation"] or status.get("readyReplicas") != 1:
             return None
@@ -151,7 +132,7 @@ def _converged(cluster, kube, kv_cache_mib: int) -> dict[str, dict]:
         if (rollout.get("updatedReplicas"), rollout.get("readyReplicas"), rollout.get("replicas")) != (1, 1, 1):
             return None
         pods = _engine_pods(kube)
-        if len(pods) != 1 or not _ready(pods[0]) or _kv_cache_mib(pods[0]) != kv_cache_mib:
+        if len(pods) != 1 or not pod_ready(pods[0]) or _kv_cache_mib(pods[0]) != kv_cache_mib:
             return None
         return children
 
@@ -194,9 +175,9 @@ def _stopped(cluster, names: tuple[str, ...]):
                 cluster.cluster.start_component(name)
 
 
-def test_a_rollout_converges_through_api_server_and_etcd_restarts(cluster, kube, tuned, capsys):
+def test_a_rollout_converges_through_api_server_and_etcd_restarts(cluster, kube, children_once, tuned, capsys):
     rng = random.Random(0)
-    before = _children_once(kube)
+    before = children_once(NS, NAME)
     token, tuning = before["Secret"]["data"], before["ConfigMap"]["data"]
     uids = {kind: child["metadata"]["uid"] for kind, child in before.items()}
     rows = []
@@ -213,13 +194,13 @@ def test_a_rollout_converges_through_api_server_and_etcd_restarts(cluster, kube,
             # The rollout has begun: the operator rendered the new template and its pod is starting.
             wait_until(lambda: any(_kv_cache_mib(p) == mib for p in _engine_pods(kube)), 60, "the new pod")
             time.sleep(rng.uniform(0.0, 1.0))
-            assert not any(_ready(p) for p in _engine_pods(kube) if _kv_cache_mib(p) == mib), "rollout already done"
+            assert not any(pod_ready(p) for p in _engine_pods(kube) if _kv_cache_mib(p) == mib), "rollout already done"
             stopped_at = time.monotonic()
             with _stopped(cluster, fault):
                 served = [_complete(client, old_url, model) for _ in range(3)]  # the data plane goes on
                 time.sleep(max(0.0, DOWN_S - (time.monotonic() - stopped_at)))
             back_at = time.monotonic()
-        children = _converged(cluster, kube, mib)
+        children = _converged(cluster, kube, children_once, mib)
         converged_at = time.monotonic()
 
         assert served == [200, 200, 200], f"the old pod stopped serving while {' and '.join(fault)} was down"

@@ -19,6 +19,7 @@ import yaml
 
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
+from kvpilot.operator.status import pod_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -28,12 +29,9 @@ NAME = "steady"
 OPERATOR_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
 KILLS = int(os.environ.get("KVPILOT_FAULT_KILLS", "3"))
 CONVERGE_S = 240  # an engine restart loads torch and the model on 2 shared cores
-CHILDREN = (("apps/v1", "Deployment", NAME), ("v1", "Service", NAME),
-            ("v1", "ConfigMap", builders.tuning_configmap_name(NAME)), ("v1", "Secret", builders.admin_secret_name(NAME)))
-
 
 @pytest.fixture(scope="module")
-def steady(cluster, kube, tiny_model_dir):
+def steady(cluster, kube, children_once, tiny_model_dir):
     cluster.kubectl("create", "namespace", NS)
     cluster.helm(
         "install", RELEASE, str(crd.REPO_ROOT / "charts" / "kvpilot"), "--namespace", NS,
@@ -47,39 +45,22 @@ def steady(cluster, kube, tiny_model_dir):
     manifest["metadata"] = {"name": NAME, "namespace": NS}
     manifest["spec"]["model"]["uri"] = f"file://{Path(tiny_model_dir).resolve()}"
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
-    _converged(cluster, kube, "16")
+    _converged(cluster, kube, children_once, "16")
     yield
     cluster.kubectl("delete", "kvis", NAME, "-n", NS, "--wait=true", "--timeout=60s", check=False)
     cluster.helm("uninstall", RELEASE, "--namespace", NS, "--wait", check=False)
     cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
 
 
-def _ready(obj: dict) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in (obj.get("status") or {}).get("conditions", []))
-
-
-def _children_once(kube) -> dict[str, dict]:
-    """Each child kind exactly once among the objects labeled for the service."""
-    selector = f"{builders.INSTANCE_LABEL}={NAME}"
-    found = {}
-    for api_version, kind, name in CHILDREN:
-        objects = [o for o in kube.list(api_version, kind, NS, label_selector=selector)
-                   if not o["metadata"].get("deletionTimestamp")]
-        assert [o["metadata"]["name"] for o in objects] in ([], [name]), f"duplicate {kind}: {objects}"
-        if objects:
-            found[kind] = objects[0]
-    return found
-
-
-def _converged(cluster, kube, max_num_seqs: str) -> dict[str, dict]:
+def _converged(cluster, kube, children_once, max_num_seqs: str) -> dict[str, dict]:
     """Waits until the service serves its spec: Ready, at its generation, children all there once,
     the Deployment at one replica of --max-num-seqs ``max_num_seqs`` and its one pod of that template
     Ready; returns the children."""
     def converged():
         kvis = kube.get_inference_service(NS, NAME) or {}
         status = kvis.get("status") or {}
-        children = _children_once(kube)
-        if len(children) < len(CHILDREN) or not _ready(kvis):
+        children = children_once(NS, NAME)
+        if len(children) < 4 or not pod_ready(kvis):  # Deployment, Service, ConfigMap, Secret
             return None
         if status.get("observedGeneration") != kvis["metadata"]["generation"]:
             return None
@@ -89,7 +70,7 @@ def _converged(cluster, kube, max_num_seqs: str) -> dict[str, dict]:
         # The rollout is done: one engine pod, of this template, serving.
         pods = [p for p in kube.list("v1", "Pod", NS, label_selector=builders.selector_string(NAME))
                 if not p["metadata"].get("deletionTimestamp")]
-        if len(pods) != 1 or not _ready(pods[0]) or _max_num_seqs(pods[0]) != max_num_seqs:
+        if len(pods) != 1 or not pod_ready(pods[0]) or _max_num_seqs(pods[0]) != max_num_seqs:
             return None
         return children
 
@@ -108,15 +89,17 @@ def _max_num_seqs(pod_or_template: dict) -> str:
 def _operator_pod(kube) -> str:
     def running():
         pods = [p for p in kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
-                if not p["metadata"].get("deletionTimestamp") and _ready(p)]
+                if not p["metadata"].get("deletionTimestamp") and pod_ready(p)]
         return pods[0]["metadata"]["name"] if len(pods) == 1 else None
 
     return wait_until(running, 120, "one ready operator pod", interval=0.5)
 
 
-def test_the_operator_killed_at_random_points_of_a_reconcile_converges_every_time(cluster, kube, steady, capsys):
+def test_the_operator_killed_at_random_points_of_a_reconcile_converges_every_time(
+    cluster, kube, children_once, steady, capsys
+):
     rng = random.Random(0)
-    before = _children_once(kube)
+    before = children_once(NS, NAME)
     token = before["Secret"]["data"]
     tuning = before["ConfigMap"]["data"]
     times = []
@@ -128,7 +111,7 @@ def test_the_operator_killed_at_random_points_of_a_reconcile_converges_every_tim
         time.sleep(rng.uniform(0.0, 2.0))  # somewhere in the reconcile the edit started
         cluster.kubectl("delete", "pod", victim, "-n", NS, "--grace-period=0", "--force")
         start = time.monotonic()
-        children = _converged(cluster, kube, value)
+        children = _converged(cluster, kube, children_once, value)
         times.append(time.monotonic() - start)
         assert _operator_pod(kube) != victim
         assert children["Secret"]["data"] == token  # the engines' admin token is never regenerated
@@ -139,14 +122,14 @@ def test_the_operator_killed_at_random_points_of_a_reconcile_converges_every_tim
               f"{', '.join(f'{t:.0f}' for t in times)} s")
 
 
-def test_children_deleted_or_edited_by_hand_are_restored(cluster, kube, steady):
-    children = _children_once(kube)
+def test_children_deleted_or_edited_by_hand_are_restored(cluster, kube, children_once, steady):
+    children = children_once(NS, NAME)
     value = _max_num_seqs(children["Deployment"]["spec"]["template"])
     cluster.kubectl("delete", "service", NAME, "-n", NS)
     cluster.kubectl("scale", "deployment", NAME, "-n", NS, "--replicas=3")  # drift from spec.replicas
     cluster.kubectl("label", "configmap", builders.tuning_configmap_name(NAME), "-n", NS,
                     f"{builders.INSTANCE_LABEL}=someone-else", "--overwrite")  # drift in a label it owns
-    restored = _converged(cluster, kube, value)
+    restored = _converged(cluster, kube, children_once, value)
     assert restored["Service"]["metadata"]["uid"] != children["Service"]["metadata"]["uid"]
     assert restored["Deployment"]["spec"]["replicas"] == 1
     assert restored["ConfigMap"]["metadata"]["labels"][builders.INSTANCE_LABEL] == NAME
