@@ -1,12 +1,14 @@
-"""What every end-to-end module shares: the session's local cluster, a Kube client on it, and the
-check that the operator made each child of a service at most once."""
+"""What every end-to-end module shares: the session's local cluster, a Kube client on it, the check
+that the operator made each child of a service at most once, and the wait for a service to converge."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders
 from kvpilot.operator.kube import Kube
+from kvpilot.operator.status import pod_ready
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +40,55 @@ def children_once(kube):
         return found
 
     return check
+
+
+def engine_arg(pod_or_template: dict, flag: str) -> str:
+    """The value of one `kvpilot serve` flag in an engine pod's (or pod template's) arguments."""
+    args = pod_or_template["spec"]["containers"][0]["args"]
+    return args[args.index(flag) + 1]
+
+
+def engine_pods(kube: Kube, namespace: str, name: str) -> list[dict]:
+    """The service's engine pods that are not being deleted."""
+    pods = kube.list("v1", "Pod", namespace, label_selector=builders.selector_string(name))
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+@pytest.fixture(scope="module")
+def converged(cluster, kube, children_once):
+    """``wait(namespace, name, flag, value, timeout)``: until the service serves its spec (Ready, neither
+    Progressing nor Degraded, at its generation; each child there once; the Deployment, at one replica
+    whose engine has ``flag value``, rolled out to one Ready pod of that template); returns the children.
+    On a timeout the error carries `kubectl get` of the namespace."""
+    def wait(namespace: str, name: str, flag: str, value: str, timeout: float) -> dict[str, dict]:
+        def done() -> dict[str, dict] | None:
+            kvis = kube.get_inference_service(namespace, name) or {}
+            status = kvis.get("status") or {}
+            children = children_once(namespace, name)
+            if len(children) < 4 or not pod_ready(kvis):  # Deployment, Service, ConfigMap, Secret
+                return None
+            generation = kvis["metadata"]["generation"]
+            conditions = {c["type"]: c["status"] for c in status.get("conditions", [])
+                          if c.get("observedGeneration") == generation}
+            if status.get("observedGeneration") != generation or status.get("readyReplicas") != 1 \
+                    or conditions != {"Ready": "True", "Progressing": "False", "Degraded": "False"}:
+                return None
+            deployment = children["Deployment"]
+            rollout = deployment.get("status") or {}
+            if engine_arg(deployment["spec"]["template"], flag) != value or deployment["spec"]["replicas"] != 1:
+                return None
+            if (rollout.get("updatedReplicas"), rollout.get("readyReplicas"), rollout.get("replicas")) != (1, 1, 1):
+                return None
+            pods = engine_pods(kube, namespace, name)
+            if len(pods) != 1 or not pod_ready(pods[0]) or engine_arg(pods[0], flag) != value:
+                return None
+            return children
+
+        try:
+            return wait_until(done, timeout, f"{name} converged at {flag} {value}", interval=0.5)
+        except AssertionError as exc:
+            state = cluster.kubectl("get", "kvis,deploy,rs,pods,svc,cm,secret", "-n", namespace, "-o", "wide",
+                                    check=False)  # fmt: skip
+            raise AssertionError(f"{exc}\n{state.stdout}") from None
+
+    return wait

@@ -57,7 +57,7 @@ def _kv_cache_args(mib: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tuned(cluster, kube, children_once, tiny_model_dir):
+def tuned(cluster, kube, converged, tiny_model_dir):
     """The operator installed, the service serving, and a tuned state stored as the tuner stores it."""
     cluster.kubectl("create", "namespace", NS)
     cluster.helm(
@@ -82,7 +82,7 @@ def tuned(cluster, kube, children_once, tiny_model_dir):
         },
     }  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
-    _converged(cluster, kube, children_once, 64)
+    converged(NS, NAME, "--kv-cache-memory", "64MiB", CONVERGE_S)
     spec = parse_spec(manifest["spec"])
     tuned_settings = EngineSettings.of(spec.engine).model_copy(update={"max_num_seqs": TUNED_MAX_NUM_SEQS})
     kube.apply(builders.build_tuning_configmap(NAME, NS, spec, tuned_settings),
@@ -107,41 +107,6 @@ def _engine_pods(kube) -> list[dict]:
 def _kv_cache_mib(pod_or_template: dict) -> int:
     args = pod_or_template["spec"]["containers"][0]["args"]
     return int(args[args.index("--kv-cache-memory") + 1].removesuffix("MiB"))
-
-
-def _converged(cluster, kube, children_once, kv_cache_mib: int) -> dict[str, dict]:
-    """Waits until the service serves its spec (Ready, neither progressing nor degraded, at its generation;
-    every child there once; the Deployment rolled out to one Ready pod of the template with
-    ``kv_cache_mib``); returns the children."""
-    def converged():
-        kvis = kube.get_inference_service(NS, NAME) or {}
-        status = kvis.get("status") or {}
-        children = children_once(NS, NAME)
-        if len(children) < 4 or not pod_ready(kvis):  # Deployment, Service, ConfigMap, Secret
-            return None
-        if status.get("observedGeneration") != kvis["metadata"]["generation"] or status.get("readyReplicas") != 1:
-            return None
-        conditions = {c["type"]: c["status"] for c in status.get("conditions", [])
-                      if c.get("observedGeneration") == kvis["metadata"]["generation"]}
-        if conditions != {"Ready": "True", "Progressing": "False", "Degraded": "False"}:
-            return None
-        deployment = children["Deployment"]
-        rollout = deployment.get("status") or {}
-        if _kv_cache_mib(deployment["spec"]["template"]) != kv_cache_mib or deployment["spec"]["replicas"] != 1:
-            return None
-        if (rollout.get("updatedReplicas"), rollout.get("readyReplicas"), rollout.get("replicas")) != (1, 1, 1):
-            return None
-        pods = _engine_pods(kube)
-        if len(pods) != 1 or not pod_ready(pods[0]) or _kv_cache_mib(pods[0]) != kv_cache_mib:
-            return None
-        return children
-
-    try:
-        return wait_until(converged, CONVERGE_S, f"{NAME} converged at --kv-cache-memory {kv_cache_mib}MiB",
-                          interval=0.5)  # fmt: skip
-    except AssertionError as exc:
-        state = cluster.kubectl("get", "kvis,deploy,rs,pods,svc,cm,secret", "-n", NS, "-o", "wide", check=False)
-        raise AssertionError(f"{exc}\n{state.stdout}") from None
 
 
 def _engine_max_num_seqs(pod: dict) -> int:
@@ -175,7 +140,9 @@ def _stopped(cluster, names: tuple[str, ...]):
                 cluster.cluster.start_component(name)
 
 
-def test_a_rollout_converges_through_api_server_and_etcd_restarts(cluster, kube, children_once, tuned, capsys):
+def test_a_rollout_converges_through_api_server_and_etcd_restarts(
+    cluster, kube, children_once, converged, tuned, capsys
+):
     rng = random.Random(0)
     before = children_once(NS, NAME)
     token, tuning = before["Secret"]["data"], before["ConfigMap"]["data"]
@@ -200,7 +167,7 @@ def test_a_rollout_converges_through_api_server_and_etcd_restarts(cluster, kube,
                 served = [_complete(client, old_url, model) for _ in range(3)]  # the data plane goes on
                 time.sleep(max(0.0, DOWN_S - (time.monotonic() - stopped_at)))
             back_at = time.monotonic()
-        children = _converged(cluster, kube, children_once, mib)
+        children = converged(NS, NAME, "--kv-cache-memory", f"{mib}MiB", CONVERGE_S)
         converged_at = time.monotonic()
 
         assert served == [200, 200, 200], f"the old pod stopped serving while {' and '.join(fault)} was down"

@@ -31,7 +31,7 @@ KILLS = int(os.environ.get("KVPILOT_FAULT_KILLS", "3"))
 CONVERGE_S = 240  # an engine restart loads torch and the model on 2 shared cores
 
 @pytest.fixture(scope="module")
-def steady(cluster, kube, children_once, tiny_model_dir):
+def steady(cluster, kube, converged, tiny_model_dir):
     cluster.kubectl("create", "namespace", NS)
     cluster.helm(
         "install", RELEASE, str(crd.REPO_ROOT / "charts" / "kvpilot"), "--namespace", NS,
@@ -45,40 +45,11 @@ def steady(cluster, kube, children_once, tiny_model_dir):
     manifest["metadata"] = {"name": NAME, "namespace": NS}
     manifest["spec"]["model"]["uri"] = f"file://{Path(tiny_model_dir).resolve()}"
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
-    _converged(cluster, kube, children_once, "16")
+    converged(NS, NAME, "--max-num-seqs", "16", CONVERGE_S)
     yield
     cluster.kubectl("delete", "kvis", NAME, "-n", NS, "--wait=true", "--timeout=60s", check=False)
     cluster.helm("uninstall", RELEASE, "--namespace", NS, "--wait", check=False)
     cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
-
-
-def _converged(cluster, kube, children_once, max_num_seqs: str) -> dict[str, dict]:
-    """Waits until the service serves its spec: Ready, at its generation, children all there once,
-    the Deployment at one replica of --max-num-seqs ``max_num_seqs`` and its one pod of that template
-    Ready; returns the children."""
-    def converged():
-        kvis = kube.get_inference_service(NS, NAME) or {}
-        status = kvis.get("status") or {}
-        children = children_once(NS, NAME)
-        if len(children) < 4 or not pod_ready(kvis):  # Deployment, Service, ConfigMap, Secret
-            return None
-        if status.get("observedGeneration") != kvis["metadata"]["generation"]:
-            return None
-        deployment = children["Deployment"]
-        if _max_num_seqs(deployment["spec"]["template"]) != max_num_seqs or deployment["spec"]["replicas"] != 1:
-            return None
-        # The rollout is done: one engine pod, of this template, serving.
-        pods = [p for p in kube.list("v1", "Pod", NS, label_selector=builders.selector_string(NAME))
-                if not p["metadata"].get("deletionTimestamp")]
-        if len(pods) != 1 or not pod_ready(pods[0]) or _max_num_seqs(pods[0]) != max_num_seqs:
-            return None
-        return children
-
-    try:
-        return wait_until(converged, CONVERGE_S, f"{NAME} converged at maxNumSeqs {max_num_seqs}", interval=0.5)
-    except AssertionError as exc:
-        state = cluster.kubectl("get", "kvis,deploy,pods,svc,cm,secret", "-n", NS, "-o", "wide", check=False)
-        raise AssertionError(f"{exc}\n{state.stdout}") from None
 
 
 def _max_num_seqs(pod_or_template: dict) -> str:
@@ -96,7 +67,7 @@ def _operator_pod(kube) -> str:
 
 
 def test_the_operator_killed_at_random_points_of_a_reconcile_converges_every_time(
-    cluster, kube, children_once, steady, capsys
+    cluster, kube, children_once, converged, steady, capsys
 ):
     rng = random.Random(0)
     before = children_once(NS, NAME)
@@ -111,7 +82,7 @@ def test_the_operator_killed_at_random_points_of_a_reconcile_converges_every_tim
         time.sleep(rng.uniform(0.0, 2.0))  # somewhere in the reconcile the edit started
         cluster.kubectl("delete", "pod", victim, "-n", NS, "--grace-period=0", "--force")
         start = time.monotonic()
-        children = _converged(cluster, kube, children_once, value)
+        children = converged(NS, NAME, "--max-num-seqs", value, CONVERGE_S)
         times.append(time.monotonic() - start)
         assert _operator_pod(kube) != victim
         assert children["Secret"]["data"] == token  # the engines' admin token is never regenerated
@@ -122,14 +93,14 @@ def test_the_operator_killed_at_random_points_of_a_reconcile_converges_every_tim
               f"{', '.join(f'{t:.0f}' for t in times)} s")
 
 
-def test_children_deleted_or_edited_by_hand_are_restored(cluster, kube, children_once, steady):
+def test_children_deleted_or_edited_by_hand_are_restored(cluster, kube, children_once, converged, steady):
     children = children_once(NS, NAME)
     value = _max_num_seqs(children["Deployment"]["spec"]["template"])
     cluster.kubectl("delete", "service", NAME, "-n", NS)
     cluster.kubectl("scale", "deployment", NAME, "-n", NS, "--replicas=3")  # drift from spec.replicas
     cluster.kubectl("label", "configmap", builders.tuning_configmap_name(NAME), "-n", NS,
                     f"{builders.INSTANCE_LABEL}=someone-else", "--overwrite")  # drift in a label it owns
-    restored = _converged(cluster, kube, children_once, value)
+    restored = converged(NS, NAME, "--max-num-seqs", value, CONVERGE_S)
     assert restored["Service"]["metadata"]["uid"] != children["Service"]["metadata"]["uid"]
     assert restored["Deployment"]["spec"]["replicas"] == 1
     assert restored["ConfigMap"]["metadata"]["labels"][builders.INSTANCE_LABEL] == NAME
