@@ -7,8 +7,10 @@ nothing of the others, so the operator reads them all: it lists the gateway's po
 (the chart names their namespace and labels: ``KVPILOT_GATEWAY_NAMESPACE``,
 ``KVPILOT_GATEWAY_SELECTOR``), reads each one's ``/v1/models`` (which
 InferenceService each model name routes to: the gateway's own choice when two
-services serve one name) and ``/metrics``, and sums per service. Nothing is kept
-between reads: a gateway replica that goes away takes its held requests with it.
+services serve one name) and ``/metrics``, and sums per service. Every service's
+control loop asks each interval; one reading of the gateways, shared for
+``max_age_seconds``, answers them all. Nothing else is kept between reads: a
+gateway replica that goes away takes its held requests with it.
 
 A gateway that cannot be read counts as holding none, with a log line: demand the
 autoscaler misses for one interval, never a control loop held up.
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 import urllib.request
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -63,18 +67,29 @@ def gateway_url(pod: dict[str, Any]) -> str | None:
 
 
 class GatewayDemand:
-    """Reads every gateway replica's held requests, ``timeout_seconds`` per request."""
+    """Reads every gateway replica's held requests, ``timeout_seconds`` per request; a reading younger
+    than ``max_age_seconds`` is answered again instead of read anew."""
 
     def __init__(self, kube: Kube, namespace: str, selector: str, timeout_seconds: float = 2.0,
-                 max_parallel: int = 8) -> None:
+                 max_parallel: int = 8, max_age_seconds: float = 2.0) -> None:
         self.kube = kube
         self.namespace = namespace
         self.selector = selector
         self.timeout_seconds = timeout_seconds
         self.max_parallel = max_parallel
+        self.max_age_seconds = max_age_seconds
+        self._lock = threading.Lock()  # the services' control loops are threads
+        self._last: tuple[float, dict[ServiceKey, int]] | None = None  # (time.monotonic() of the read, totals)
 
     def held(self) -> dict[ServiceKey, int]:
         """Held requests by service, summed over the gateway replicas that answered."""
+        with self._lock:
+            now = time.monotonic()
+            if self._last is None or now - self._last[0] >= self.max_age_seconds:
+                self._last = (now, self._read_all())
+            return self._last[1]
+
+    def _read_all(self) -> dict[ServiceKey, int]:
         try:
             pods = self.kube.list("v1", "Pod", self.namespace, label_selector=self.selector)
         except (KubeError, OSError) as exc:

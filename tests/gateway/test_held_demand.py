@@ -43,7 +43,7 @@ def test_the_operator_reads_the_requests_every_gateway_replica_holds(harness):
     for thread in threads:
         thread.start()
     pods = _GatewayPods([first.url, second.url])
-    demand = GatewayDemand(pods, "kvpilot-system", "c=gateway")  # type: ignore[arg-type]
+    demand = GatewayDemand(pods, "kvpilot-system", "c=gateway", max_age_seconds=0)  # type: ignore[arg-type]
     expected = {("ns", "alpha"): 3, ("ns", "beta"): 1}  # alpha: 2 on the first replica, 1 on the second
     deadline = time.monotonic() + 10
     while demand.held() != expected and time.monotonic() < deadline:

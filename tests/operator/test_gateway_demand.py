@@ -113,6 +113,16 @@ def test_held_requests_are_summed_over_every_gateway_replica(gateways):
     assert kube.calls == [("v1", "Pod", "kvpilot-system", "app.kubernetes.io/component=gateway")]
 
 
+def test_one_reading_answers_every_service_for_max_age_seconds(gateways):
+    kube = _Kube([_pod("gw-a", gateways[0])])
+    demand = GatewayDemand(kube, "kvpilot-system", "c=gateway", max_age_seconds=60)  # type: ignore[arg-type]
+    assert demand.held() == demand.held() == {("ml", "llama-8b"): 3}
+    assert len(kube.calls) == 1  # the second service's ask was answered from the first reading
+    demand.max_age_seconds = 0
+    demand.held()
+    assert len(kube.calls) == 2
+
+
 def test_a_gateway_that_cannot_be_read_counts_as_none_and_is_logged(gateways, caplog):
     kube = _Kube([_pod("gw-a", gateways[0]), _pod("gw-dead", _dead_port())])
     demand = GatewayDemand(kube, "kvpilot-system", "c=gateway", timeout_seconds=1.0)  # type: ignore[arg-type]
