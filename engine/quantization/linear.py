@@ -26,17 +26,22 @@ class QuantizedLinear(nn.Module):
         self.group_size = packed.group_size
         self.out_features, self.in_features = packed.shape
         self.dtype = dtype  # of activations and outputs (the model's dtype)
-        self.torch_int4 = False  # True after repack_for_torch_cpu: codes in torch's layout, not kvpilot's
         packed = packed.to(device)
         self.register_buffer("codes", packed.codes)
         self.register_buffer("scales", packed.scales)
         self.register_buffer("offsets", packed.offsets)
+        self.register_buffer("scales_and_zeros", None)  # set by repack_for_torch_cpu
         # The CPU kernel bound to these buffers once (checks and build paid at load, not per call).
         self._cpu_kernel = None
         if device.type == "cpu" and cpu_quant_matmul.usable(torch.empty(0, dtype=dtype), bits=self.bits,
                                                             group_size=self.group_size):
             self._cpu_kernel = cpu_quant_matmul.bind(self.codes, self.scales, self.offsets, bits=self.bits,
                                                      group_size=self.group_size, dtype=dtype)
+
+    @property
+    def torch_int4(self) -> bool:
+        """Whether the codes are in torch's int4 layout (after repack_for_torch_cpu), not kvpilot's."""
+        return self.scales_and_zeros is not None
 
     @property
     def packed(self) -> PackedWeight:
@@ -65,10 +70,9 @@ class QuantizedLinear(nn.Module):
         zeros = offsets + 8 * scales
         self.codes = convert(values, 1)  # [out_features, in_features // 2] uint8, torch's order
         # [groups, out_features, 2]: (scale, zero) per group and output feature
-        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).to(self.dtype).contiguous())
+        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], -1).to(self.dtype).contiguous()
         self.scales = self.offsets = None  # kvpilot's tables are folded into scales_and_zeros
-        self._cpu_kernel = None
-        self.torch_int4 = True
+        self._cpu_kernel = None  # it held kvpilot's tables
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
