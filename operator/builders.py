@@ -21,7 +21,7 @@ from typing import Any
 from kvpilot.engine_contract import ADMIN_PORT, ADMIN_TOKEN_ENV, API_KEY_ENV, ENGINE_PORT, HEALTH_PATH
 from kvpilot.operator import tuning_configmap
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec
+from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec, ModelLocation
 
 PORT_NAME = "http"
 ADMIN_PORT_NAME = "admin"
@@ -29,6 +29,10 @@ CONTAINER_NAME = "engine"
 TUNING_DIR = "/etc/kvpilot/tuning"
 TUNING_FILE = f"{TUNING_DIR}/{tuning_configmap.TUNING_FILE_KEY}"
 MODEL_ROOT = "/mnt/models"
+MODEL_VOLUME = "model"
+# spec.engine.speculative.model: its own volume and root, so it may share a claim (or nothing) with the target.
+DRAFT_MODEL_ROOT = "/mnt/draft-model"
+DRAFT_MODEL_VOLUME = "draft-model"
 SCRATCH_DIR = "/tmp"
 POD_IP_ENV = "POD_IP"
 ADMIN_TOKEN_KEY = "token"
@@ -84,7 +88,7 @@ def _metadata(name: str, namespace: str, service: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ModelMount:
-    """How the model folder reaches the engine container: the path it serves, and what provides it."""
+    """How a model folder reaches the engine container: the path it serves, and what provides it."""
 
     path: str
     volumes: list[dict[str, Any]]
@@ -92,14 +96,17 @@ class ModelMount:
     init_containers: list[dict[str, Any]] = field(default_factory=list)
 
 
-def model_mount(spec: InferenceServiceSpec, image: str, container_security: dict[str, Any]) -> ModelMount:
-    uri = spec.model.uri
+def model_mount(source: ModelLocation, volume: str, root: str, image: str,
+                container_security: dict[str, Any]) -> ModelMount:
+    """``source`` as volume ``volume``: a claim or a download mounted at ``root``, a node's path at itself.
+    An hf:// download runs in init container ``download_container_name(volume)``."""
+    uri = source.uri
     if uri.startswith("pvc://"):
         claim, _, sub_path = uri[len("pvc://"):].partition("/")
         return ModelMount(
-            path=f"{MODEL_ROOT}/{sub_path}".rstrip("/"),
-            volumes=[{"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
-            volume_mounts=[{"name": "model", "mountPath": MODEL_ROOT, "readOnly": True}],
+            path=f"{root}/{sub_path}".rstrip("/"),
+            volumes=[{"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+            volume_mounts=[{"name": volume, "mountPath": root, "readOnly": True}],
         )
     if uri.startswith("file:///"):
         # Mounted at its own path, so the engine's argument reads the same as the URI. A .gguf
@@ -108,42 +115,59 @@ def model_mount(spec: InferenceServiceSpec, image: str, container_security: dict
         host_type = "File" if host_path.lower().endswith(".gguf") else "Directory"
         return ModelMount(
             path=host_path,
-            volumes=[{"name": "model", "hostPath": {"path": host_path, "type": host_type}}],
-            volume_mounts=[{"name": "model", "mountPath": host_path, "readOnly": True}],
+            volumes=[{"name": volume, "hostPath": {"path": host_path, "type": host_type}}],
+            volume_mounts=[{"name": volume, "mountPath": host_path, "readOnly": True}],
         )
     if uri.startswith("hf://"):
         repo = uri[len("hf://"):]
         return ModelMount(
-            path=MODEL_ROOT,
-            volumes=[{"name": "model", "emptyDir": {}}],
-            volume_mounts=[{"name": "model", "mountPath": MODEL_ROOT, "readOnly": True}],
-            init_containers=[_download_container(spec, repo, image, container_security)],
+            path=root,
+            volumes=[{"name": volume, "emptyDir": {}}],
+            volume_mounts=[{"name": volume, "mountPath": root, "readOnly": True}],
+            init_containers=[_download_container(source, repo, volume, root, image, container_security)],
         )
-    raise ValueError(f"model.uri {uri!r}: unknown scheme (use pvc://, file:/// or hf://)")
+    raise ValueError(f"model uri {uri!r}: unknown scheme (use pvc://, file:/// or hf://)")
 
 
-def _download_container(
-    spec: InferenceServiceSpec, repo: str, image: str, container_security: dict[str, Any]
-) -> dict[str, Any]:
-    args = ["download", repo, "--local-dir", MODEL_ROOT]
-    if spec.model.revision:
-        args += ["--revision", spec.model.revision]
+def draft_model_mount(spec: InferenceServiceSpec, target: ModelMount, image: str,
+                      container_security: dict[str, Any]) -> ModelMount | None:
+    """spec.engine.speculative.model beside the target (``target``); None without a draft model."""
+    speculative = spec.engine.speculative
+    if speculative is None or speculative.model is None:
+        return None
+    mount = model_mount(speculative.model, DRAFT_MODEL_VOLUME, DRAFT_MODEL_ROOT, image, container_security)
+    if speculative.model.uri.startswith("file:///") and mount.path == target.path:
+        # The target's own file or folder: already mounted at that path, and a pod cannot mount two volumes at one.
+        return ModelMount(path=mount.path, volumes=[], volume_mounts=[])
+    return mount
+
+
+def download_container_name(volume: str) -> str:
+    """The init container that downloads an hf:// model into volume ``volume``."""
+    return f"download-{volume}"
+
+
+def _download_container(source: ModelLocation, repo: str, volume: str, root: str, image: str,
+                        container_security: dict[str, Any]) -> dict[str, Any]:
+    args = ["download", repo, "--local-dir", root]
+    if source.revision:
+        args += ["--revision", source.revision]
     env: list[dict[str, Any]] = [
         {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
     ]
-    if spec.model.token_secret is not None:
-        secret = spec.model.token_secret
+    if source.token_secret is not None:
+        secret = source.token_secret
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
     return {
-        "name": "download-model",
+        "name": download_container_name(volume),
         "image": image,
         "command": ["hf"],
         "args": args,
         "env": env,
         "securityContext": container_security,
         "volumeMounts": [
-            {"name": "model", "mountPath": MODEL_ROOT},
+            {"name": volume, "mountPath": root},
             {"name": "scratch", "mountPath": SCRATCH_DIR},
         ],
     }
@@ -157,10 +181,11 @@ def served_model_name(name: str, spec: InferenceServiceSpec) -> str:
 
 
 def engine_args(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings, model_path: str,
-                settings: OperatorSettings) -> list[str]:
+                settings: OperatorSettings, draft_path: str | None = None) -> list[str]:
     """`kvpilot serve` arguments. maxNumSeqs and maxNumBatchedTokens come from the spec here and are
     overridden at start by the tuning file, so the tuner changing them does not roll the pods; the
-    memory fraction comes from the settings in effect, so changing it does."""
+    memory fraction comes from the settings in effect, so changing it does. ``draft_path``: where the
+    pod mounts spec.engine.speculative.model (draft_model only)."""
     engine = spec.engine
     args = [
         "serve", model_path,
@@ -184,7 +209,8 @@ def engine_args(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings
         "--shutdown-grace-period", str(settings.engine_shutdown_grace_seconds),
     ]
     if engine.speculative is not None:
-        args += ["--speculative-config", json.dumps(engine.speculative.engine_config(), separators=(",", ":"))]
+        config = engine.speculative.engine_config(draft_path)
+        args += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
     return args + list(engine.extra_args)
 
 
@@ -230,13 +256,13 @@ def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any
 
 
 def engine_container(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings, mount: ModelMount,
-                     image: str, settings: OperatorSettings) -> dict[str, Any]:
+                     draft: ModelMount | None, image: str, settings: OperatorSettings) -> dict[str, Any]:
     startup_period = 5
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": image,
         "command": ["kvpilot"],
-        "args": engine_args(name, spec, in_effect, mount.path, settings),
+        "args": engine_args(name, spec, in_effect, mount.path, settings, draft.path if draft else None),
         "ports": [
             {"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"},
             # The operator's alone: the Service leaves it out, the chart's NetworkPolicy admits only the operator.
@@ -265,6 +291,7 @@ def engine_container(name: str, spec: InferenceServiceSpec, in_effect: EngineSet
         "securityContext": _container_security(),
         "volumeMounts": [
             *mount.volume_mounts,
+            *(draft.volume_mounts if draft else []),
             {"name": "tuning", "mountPath": TUNING_DIR, "readOnly": True},
             {"name": "scratch", "mountPath": SCRATCH_DIR},
         ],
@@ -278,11 +305,13 @@ def engine_container(name: str, spec: InferenceServiceSpec, in_effect: EngineSet
 def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec, in_effect: EngineSettings,
                      settings: OperatorSettings) -> dict[str, Any]:
     image = spec.image or settings.engine_image
-    mount = model_mount(spec, image, _container_security())
+    mount = model_mount(spec.model, MODEL_VOLUME, MODEL_ROOT, image, _container_security())
+    draft = draft_model_mount(spec, mount, image, _container_security())
     pod_spec: dict[str, Any] = {
-        "containers": [engine_container(name, spec, in_effect, mount, image, settings)],
+        "containers": [engine_container(name, spec, in_effect, mount, draft, image, settings)],
         "volumes": [
             *mount.volumes,
+            *(draft.volumes if draft else []),
             {"name": "tuning", "configMap": {"name": tuning_configmap_name(name)}},
             {"name": "scratch", "emptyDir": {}},
         ],
@@ -298,8 +327,9 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec, in_e
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
-    if mount.init_containers:
-        pod_spec["initContainers"] = mount.init_containers
+    init_containers = [*mount.init_containers, *(draft.init_containers if draft else [])]
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:

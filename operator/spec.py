@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpilot.engine_contract import MAX_NUM_SPECULATIVE_TOKENS
+from kvpilot.engine_contract import MAX_NUM_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 GROUP = "kvpilot.io"
 VERSION = "v1alpha1"
@@ -32,7 +32,6 @@ SINGULAR = "inferenceservice"
 SHORT_NAMES = ("kvis",)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-SPECULATIVE_METHODS = ("ngram",)  # what spec.engine.speculative.method offers, of the engine's methods
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "awq", "gguf", "none")
 # Upper bound of the token counts (context length, step budget): far above any model's, low enough
@@ -134,8 +133,8 @@ MODEL_URI_PATTERNS = (
 )
 
 
-class ModelSource(SpecModel):
-    """Where the model comes from: a Hugging Face folder (config.json, safetensors, tokenizer) or one GGUF file."""
+class ModelLocation(SpecModel):
+    """Where a model's files come from: a Hugging Face folder (config.json, safetensors, tokenizer) or one GGUF file."""
 
     uri: str = Field(
         description=(
@@ -147,11 +146,6 @@ class ModelSource(SpecModel):
         min_length=1,
         max_length=1024,
     )
-    served_name: str | None = Field(
-        default=None,
-        description="Model name clients send in the OpenAI API's `model` field. Defaults to the InferenceService's name.",
-        max_length=253,
-    )
     revision: str | None = Field(
         default=None, description="hf:// only: branch, tag or commit to download. Defaults to the main branch.",
         max_length=253,
@@ -160,19 +154,41 @@ class ModelSource(SpecModel):
         default=None,
         description="hf:// only: Secret holding a Hugging Face access token, for gated or private repositories.",
     )
-    rules: ClassVar[tuple[Rule, ...]] = (
+
+
+def _location_rules(field: str) -> tuple[Rule, ...]:
+    """A ModelLocation's rules, their messages naming it where it sits in the spec (``field``)."""
+    return (
         Rule(
             cel=" || ".join(f"self.uri.matches('{p}')" for p in MODEL_URI_PATTERNS),
-            message="model.uri must be pvc://CLAIM/PATH, file:///HOST/PATH or hf://ORG/NAME",
+            message=f"{field}.uri must be pvc://CLAIM/PATH, file:///HOST/PATH or hf://ORG/NAME",
             check=lambda m: any(re.fullmatch(p, m.uri) for p in MODEL_URI_PATTERNS),
             field_path=".uri",
         ),
         Rule(
             cel="self.uri.startsWith('hf://') || (!has(self.revision) && !has(self.tokenSecret))",
-            message="model.revision and model.tokenSecret apply only to hf:// model URIs",
+            message=f"{field}.revision and {field}.tokenSecret apply only to hf:// model URIs",
             check=lambda m: m.uri.startswith("hf://") or (m.revision is None and m.token_secret is None),
         ),
     )
+
+
+class ModelSource(ModelLocation):
+    """The model to serve, and the name clients know it by."""
+
+    served_name: str | None = Field(
+        default=None,
+        description="Model name clients send in the OpenAI API's `model` field. Defaults to the InferenceService's name.",
+        max_length=253,
+    )
+    rules: ClassVar[tuple[Rule, ...]] = _location_rules("model")
+
+
+class DraftModelSource(ModelLocation):
+    """The draft of speculative decoding: a smaller model with the target's vocabulary, mounted in the pod
+    beside it. It has no servedName: clients never address the draft, only the served model."""
+
+    rules: ClassVar[tuple[Rule, ...]] = _location_rules("engine.speculative.model")
 
 
 class Resources(SpecModel):
@@ -223,7 +239,8 @@ class SpeculativeDecoding(SpecModel):
     method: str = Field(
         default="ngram", max_length=16,
         description="How tokens are proposed: ngram (prompt lookup: the continuation of an earlier occurrence "
-        "of the text's last few tokens; no extra model).",
+        "of the text's last few tokens; no extra model) or draft_model (a smaller model with the target's "
+        "vocabulary decodes k tokens greedily; set engine.speculative.model).",
     )
     num_speculative_tokens: int = Field(
         default=4, ge=1, le=MAX_NUM_SPECULATIVE_TOKENS,
@@ -235,6 +252,13 @@ class SpeculativeDecoding(SpecModel):
     prompt_lookup_min: int | None = Field(
         default=None, ge=1, le=64, description="ngram: shortest tail matched. Unset: the engine's default (2)."
     )
+    model: DraftModelSource | None = Field(
+        default=None,
+        description="draft_model only, and required there: the draft model, a Hugging Face folder or .gguf file "
+        "with the target's vocabulary (tokenizer) and at least its context length, smaller so that it proposes "
+        "cheaply. Mounted read-only in the pod beside the target (an hf:// draft is downloaded by its own init "
+        "container). It has the fields of spec.model except servedName: clients never address the draft.",
+    )
     disable_by_batch_size: int | None = Field(
         default=None, ge=1, le=4096,
         description="Speculate only in steps with at most this many running requests. Unset: the engine's "
@@ -242,8 +266,8 @@ class SpeculativeDecoding(SpecModel):
     )
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
-            cel="self.method in ['ngram']",
-            message="engine.speculative.method must be ngram",
+            cel=f"self.method in [{', '.join(repr(m) for m in SPECULATIVE_METHODS)}]",
+            message=f"engine.speculative.method must be {' or '.join(SPECULATIVE_METHODS)}",
             check=lambda s: s.method in SPECULATIVE_METHODS,
             field_path=".method",
         ),
@@ -254,11 +278,36 @@ class SpeculativeDecoding(SpecModel):
             or s.prompt_lookup_min <= s.prompt_lookup_max,
             field_path=".promptLookupMin",
         ),
+        Rule(
+            cel="self.method != 'draft_model' || has(self.model)",
+            message="engine.speculative.model is required with method draft_model: set its uri to the draft model "
+            "(a smaller model with the target's vocabulary)",
+            check=lambda s: s.method != "draft_model" or s.model is not None,
+            field_path=".model",
+        ),
+        Rule(
+            cel="self.method == 'draft_model' || !has(self.model)",
+            message="engine.speculative.model applies only to method draft_model: remove it, or set method: draft_model",
+            check=lambda s: s.method == "draft_model" or s.model is None,
+            field_path=".model",
+        ),
+        Rule(
+            cel="self.method != 'draft_model' || (!has(self.promptLookupMin) && !has(self.promptLookupMax))",
+            message="engine.speculative.promptLookupMin and promptLookupMax apply only to method ngram: remove them "
+            "with draft_model",
+            check=lambda s: s.method != "draft_model" or (s.prompt_lookup_min is None and s.prompt_lookup_max is None),
+        ),
     )
 
-    def engine_config(self) -> dict[str, Any]:
-        """The engine's speculative_config: the same keys in snake_case, unset ones left to the engine."""
-        return self.model_dump(exclude_none=True)
+    def engine_config(self, draft_path: str | None) -> dict[str, Any]:
+        """The engine's speculative_config: the same keys in snake_case, unset ones left to the engine, and
+        ``model`` the draft's path inside the pod (``draft_path``: where the pod mounts spec's draft)."""
+        if (self.model is None) != (draft_path is None):
+            raise ValueError(f"method {self.method} with draft path {draft_path!r}: only draft_model takes one, and needs it")
+        config = self.model_dump(exclude={"model"}, exclude_none=True)
+        if draft_path is not None:
+            config["model"] = draft_path
+        return config
 
 
 class EngineSettings(SpecModel):

@@ -150,9 +150,13 @@ def _container_problem(spec: InferenceServiceSpec, pod: str, container: dict[str
         message = (last.get("message") or "").strip()
         tail = f": {message[-300:]}" if message else ""
         if init:
+            source, field = spec.model, "spec.model"
+            draft = spec.engine.speculative.model if spec.engine.speculative is not None else None
+            if draft is not None and container.get("name") == builders.download_container_name(builders.DRAFT_MODEL_VOLUME):
+                source, field = draft, "spec.engine.speculative.model"
             return Problem(MODEL_DOWNLOAD_FAILED, pod, (
-                f"pod {pod} cannot download {spec.model.uri} ({exit_info}){tail}. Check the repository name, "
-                f"spec.model.revision and spec.model.tokenSecret; see `kubectl logs {pod} -c {container.get('name')}`."
+                f"pod {pod} cannot download {source.uri} ({exit_info}){tail}. Check the repository name, "
+                f"{field}.revision and {field}.tokenSecret; see `kubectl logs {pod} -c {container.get('name')}`."
             ))
         return Problem(CRASH_LOOP, pod, (
             f"pod {pod}: the engine restarted {restarts} times, last {exit_info}{tail}. "
