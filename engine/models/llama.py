@@ -190,8 +190,8 @@ class CausalLM(nn.Module):
         """Reorder the matmul weights into oneDNN's blocked layout once, instead of per call.
 
         For bfloat16 on CPU this makes decode-sized matmuls markedly faster (the AMX kernels
-        otherwise re-pack the weight on every call). 4-bit weights kept packed move into torch's
-        int4 CPU layout instead (QuantizedLinear.repack_for_torch_cpu). Returns False, changing
+        otherwise re-pack the weight on every call). 4-bit weights kept packed move into the layout
+        of a quantized CPU kernel instead (QuantizedLinear.repack_for_cpu). Returns False, changing
         nothing, for other dtypes and devices or a torch built without oneDNN.
         """
         if self.norm.device.type != "cpu" or self.dtype != torch.bfloat16:
@@ -205,7 +205,7 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 if isinstance(getattr(layer, name), QuantizedLinear):
-                    getattr(layer, name).repack_for_torch_cpu()  # 4-bit: torch's int4 kernel
+                    getattr(layer, name).repack_for_cpu()
                     continue  # multiplied by the quantized kernel, not oneDNN
                 packed = pack(getattr(layer, name))
                 delattr(layer, name)  # a Parameter slot cannot hold an opaque oneDNN tensor
@@ -213,7 +213,7 @@ class CausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, QuantizedLinear):
             if self.lm_head is not None:  # a tied head is also the embedding, which reads kvpilot's layout
-                head.repack_for_torch_cpu()
+                head.repack_for_cpu()
             return True
         # A tied LM head gets its own packed copy: the embedding lookup needs the plain table.
         head = pack(head)

@@ -79,15 +79,16 @@ def test_packed_and_dequantized_weights_give_the_same_logits_and_greedy_tokens(a
 
 
 def test_bfloat16_packed_model_stays_close_to_float32(awq_dir):
-    # bfloat16 activations through the same codes: only the activations' rounding differs.
+    # bfloat16 activations through the same codes: only the activations' rounding differs (8 bits
+    # per run of 32 in the int8-activation kernel).
     full = load_model(awq_dir, torch.float32, "cpu", quantization="awq")
     half = load_model(awq_dir, torch.bfloat16, "cpu", quantization="awq")
-    half.pack_weights_for_cpu(batch_size_hint=8)  # oneDNN packs the dense embedding; codes go to torch's int4
-    assert all(getattr(layer, name).torch_int4 for layer in half.layers for name in MATRICES)
+    half.pack_weights_for_cpu(batch_size_hint=8)  # oneDNN packs the dense embedding; codes are repacked
+    assert all(getattr(layer, name).layout != "kvpilot" for layer in half.layers for name in MATRICES)
     for tokens in PROMPTS:
         expected = sequence_logits(full, tokens)
-        spread = expected.std().item()
-        assert (sequence_logits(half, tokens) - expected).abs().max().item() < 0.1 * spread
+        error = (sequence_logits(half, tokens) - expected).norm() / expected.norm()
+        assert error.item() < 0.08  # 2-4.5 % here; a wrong route or layout is of the order of 100 %
 
 
 def test_awq_checkpoint_is_refused_as_gguf_and_plain_folders_as_awq(awq_dir, tiny_model_dir):

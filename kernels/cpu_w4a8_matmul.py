@@ -1,0 +1,92 @@
+"""4-bit weights times int8 activations on the CPU: the C kernel in cpu_w4a8_matmul.c (AVX-512 VNNI).
+
+For bfloat16 models with 4-bit weights at decode batch sizes: x is quantized to int8 per run of 32
+inputs inside the call and multiplied with VPDPBUSD, twice the products per instruction of the
+bfloat16 dot product that bounds the other kernels at 4-8 rows. The result differs from
+``quant_matmul_reference`` by the rounding of x to 8 bits (about 1 % relative, like llama.cpp's
+8-bit activations); tests/kernels/test_w4a8_matmul.py bounds it.
+
+Built by cpu_build.py once per group size; on CPUs without AVX-512 VNNI and BF16 the build
+refuses and ``load_kernel`` returns None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from kvpilot.kernels.cpu_build import KernelBuildError, load_library
+from kvpilot.kernels.quant_layout import CHUNK, check_packed, unpack_codes
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_w4a8_matmul.c")
+FEATURE_TILE = 16  # output features per work item; N must be a multiple
+__all__ = ["W4A8Kernel", "interleave", "load_kernel"]
+
+
+def interleave(
+    codes: torch.Tensor,  # [N, K // 2] uint8, kvpilot's 4-bit layout (quant_layout)
+    scales: torch.Tensor,  # [N, K // group_size] float16
+    offsets: torch.Tensor,  # [N, K // group_size] float16
+    *,
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same weight in the kernel's layout (cpu_w4a8_matmul.c's comment): codes [N / 16, K / 32,
+    4, 16, 4] uint8, scales and offsets [N / 16, K / group_size, 16] float16. Same bytes."""
+    n, k = check_packed(codes, scales, offsets, bits=4, group_size=group_size)
+    if n % FEATURE_TILE:
+        raise ValueError(f"out_features ({n}) must be a multiple of {FEATURE_TILE}")
+    values = unpack_codes(codes, 4).view(n // FEATURE_TILE, FEATURE_TILE, k // CHUNK, 2, 4, 4)  # tile f run half j q
+    tiled = (values[:, :, :, 0] | (values[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # tile run j f q
+
+    def per_tile(table: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [N / 16, groups, 16]
+        return table.view(n // FEATURE_TILE, FEATURE_TILE, -1).transpose(1, 2).contiguous()
+
+    return tiled.contiguous(), per_tile(scales), per_tile(offsets)
+
+
+class W4A8Kernel:
+    """An interleaved weight bound to its kernel: a callable [M, K] bfloat16 -> [M, N] bfloat16."""
+
+    __slots__ = ("_function", "_tensors", "n", "k", "group_size")
+
+    def __init__(self, function: ctypes._CFuncPtr, codes: torch.Tensor, scales: torch.Tensor,
+                 offsets: torch.Tensor, group_size: int) -> None:
+        self._function = function
+        self._tensors = (codes, scales, offsets)  # held: the kernel reads them through raw pointers
+        self.n = codes.shape[0] * FEATURE_TILE
+        self.k = codes.shape[1] * CHUNK
+        self.group_size = group_size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if x.shape[1:] != (self.k,) or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise ValueError(f"x must be [M, {self.k}] bfloat16 on the CPU, got {tuple(x.shape)} {x.dtype} {x.device}")
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, self.n, dtype=torch.bfloat16)
+        if m:
+            xq = torch.empty(m, self.k, dtype=torch.int8)  # x quantized, its run scales and group sums
+            run_scales = torch.empty(m, self.k // CHUNK)
+            group_sums = torch.empty(m, self.k // self.group_size)
+            pointers = (t.data_ptr() for t in (x, *self._tensors, out, xq, run_scales, group_sums))
+            self._function(*pointers, m, self.n, self.k)
+        return out
+
+
+@functools.cache
+def load_kernel(group_size: int) -> ctypes._CFuncPtr | None:
+    """The kernel for this group size; None where it cannot be built (no AVX-512 VNNI/BF16, no compiler)."""
+    try:
+        library = load_library(SOURCE, {"GROUP_SIZE": group_size})
+    except KernelBuildError as exc:
+        logger.info("4-bit matmuls without int8 activations (%s)", str(exc).splitlines()[-1])
+        return None
+    function = library.kvpilot_w4a8_matmul
+    function.restype = None
+    # x, codes, scales, offsets, out, xq, run scales, group sums, m, n, k
+    function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3
+    return function
