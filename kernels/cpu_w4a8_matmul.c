@@ -19,6 +19,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #if !defined(__AVX512VNNI__) || !defined(__AVX512BF16__) || !defined(__AVX512BW__)
 #error "needs AVX-512 VNNI, BF16 and BW (Zen 4, Sapphire Rapids or later)"
@@ -90,13 +91,18 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 /*
  * x: [m, k] bfloat16, contiguous; codes, scales, offsets: the layout above (n a multiple of 16, k of
- * GROUP_SIZE); out: [m, n] bfloat16; workspace for x quantized: xq [m, k] int8, xs [m, k / 32] and
- * xsum [m, k / GROUP_SIZE] float32.
+ * GROUP_SIZE); out: [m, n] bfloat16. Returns 0, or -1 (out unwritten) if the workspace for x
+ * quantized (m * k bytes and m * k / 16 floats) cannot be allocated.
  */
-void kvpilot_w4a8_matmul(const uint16_t *x, const uint8_t *codes, const _Float16 *scales, const _Float16 *offsets,
-                         uint16_t *out, int8_t *xq, float *xs, float *xsum, int64_t m, int64_t n, int64_t k) {
+int kvpilot_w4a8_matmul(const uint16_t *x, const uint8_t *codes, const _Float16 *scales, const _Float16 *offsets,
+                        uint16_t *out, int64_t m, int64_t n, int64_t k) {
     const int64_t runs = k / RUN, groups = k / GROUP_SIZE, tiles = n / FEATURE_TILE;
     const int parallel = m * n * k >= PARALLEL_MIN_MACS;
+    if (m == 0) return 0;
+    float *xs = malloc(sizeof(float) * m * (runs + groups) + m * k); /* run scales, group sums, xq */
+    if (!xs) return -1;
+    float *xsum = xs + m * runs;
+    int8_t *xq = (int8_t *)(xsum + m * groups);
 #pragma omp parallel for schedule(static) if (parallel && m >= 16)
     for (int64_t r = 0; r < m; ++r) quantize_row(x + r * k, k, xq + r * k, xs + r * runs, xsum + r * groups);
 #pragma omp parallel for schedule(static) if (parallel)
@@ -119,4 +125,6 @@ void kvpilot_w4a8_matmul(const uint16_t *x, const uint8_t *codes, const _Float16
             }
         }
     }
+    free(xs);
+    return 0;
 }

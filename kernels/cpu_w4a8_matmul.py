@@ -52,28 +52,24 @@ def interleave(
 class W4A8Kernel:
     """An interleaved weight bound to its kernel: a callable [M, K] bfloat16 -> [M, N] bfloat16."""
 
-    __slots__ = ("_function", "_tensors", "n", "k", "group_size")
+    __slots__ = ("_function", "_tensors", "_pointers", "n", "k")
 
     def __init__(self, function: ctypes._CFuncPtr, codes: torch.Tensor, scales: torch.Tensor,
-                 offsets: torch.Tensor, group_size: int) -> None:
+                 offsets: torch.Tensor) -> None:
         self._function = function
         self._tensors = (codes, scales, offsets)  # held: the kernel reads them through raw pointers
+        self._pointers = tuple(t.data_ptr() for t in self._tensors)
         self.n = codes.shape[0] * FEATURE_TILE
         self.k = codes.shape[1] * CHUNK
-        self.group_size = group_size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        if x.shape[1:] != (self.k,) or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        # Called ~120 times a decode step: the checks are the few that keep the raw pointers safe.
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
             raise ValueError(f"x must be [M, {self.k}] bfloat16 on the CPU, got {tuple(x.shape)} {x.dtype} {x.device}")
         x = x.contiguous()
-        m = x.shape[0]
-        out = torch.empty(m, self.n, dtype=torch.bfloat16)
-        if m:
-            xq = torch.empty(m, self.k, dtype=torch.int8)  # x quantized, its run scales and group sums
-            run_scales = torch.empty(m, self.k // CHUNK)
-            group_sums = torch.empty(m, self.k // self.group_size)
-            pointers = (t.data_ptr() for t in (x, *self._tensors, out, xq, run_scales, group_sums))
-            self._function(*pointers, m, self.n, self.k)
+        out = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        if self._function(x.data_ptr(), *self._pointers, out.data_ptr(), x.shape[0], self.n, self.k):
+            raise MemoryError(f"no memory for {x.shape[0]} x {self.k} activations quantized to int8")
         return out
 
 
@@ -86,7 +82,6 @@ def load_kernel(group_size: int) -> ctypes._CFuncPtr | None:
         logger.info("4-bit matmuls without int8 activations (%s)", str(exc).splitlines()[-1])
         return None
     function = library.kvpilot_w4a8_matmul
-    function.restype = None
-    # x, codes, scales, offsets, out, xq, run scales, group sums, m, n, k
-    function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3  # x, codes, scales, offsets, out, m, n, k
     return function

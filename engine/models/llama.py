@@ -33,7 +33,7 @@ def linear(
     """F.linear, oneDNN's kernel for a weight that CausalLM.pack_weights_for_cpu prepacked, or the
     quantized matmul for a weight kept packed."""
     if isinstance(weight, QuantizedLinear):
-        out = weight(x)
+        out = weight.forward(x)  # not through nn.Module's call: no hooks are set on it
         return out if bias is None else out.add_(bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -75,8 +75,7 @@ class QuantizedLinear(nn.Module):
         if w4a8 is not None:
             self.codes, self.scales, self.offsets = cpu_w4a8_matmul.interleave(
                 self.codes, self.scales, self.offsets, group_size=self.group_size)
-            self._cpu_matmul = cpu_w4a8_matmul.W4A8Kernel(w4a8, self.codes, self.scales, self.offsets,
-                                                          self.group_size)
+            self._cpu_matmul = cpu_w4a8_matmul.W4A8Kernel(w4a8, self.codes, self.scales, self.offsets)
             self.layout = "w4a8"
         elif convert is not None:
             values = unpack_codes(self.codes, 4).to(torch.int32)  # [out_features, in_features], 0..15
@@ -91,8 +90,9 @@ class QuantizedLinear(nn.Module):
         return self.layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
+        if self.layout != "kvpilot" and x.dim() == 2 and x.dtype == self.dtype:
+            return self._cpu_matmul(x)  # a decode step's ~120 calls: nothing else on the way
         flat = x.reshape(-1, self.in_features)
-        kw = {"bits": self.bits, "group_size": self.group_size}
         if self.layout != "kvpilot":  # repacked for a CPU kernel, which takes the layer's dtype
             out = self._cpu_matmul(flat.to(self.dtype).contiguous())
         elif self._cpu_matmul is not None and flat.dtype == self.dtype:
@@ -100,9 +100,11 @@ class QuantizedLinear(nn.Module):
         elif flat.device.type == "cuda":
             from kvpilot.kernels.quant_matmul import quant_matmul  # Triton: imported only where it runs
 
-            out = quant_matmul(flat.contiguous(), self.codes, self.scales, self.offsets, **kw)
+            out = quant_matmul(flat.contiguous(), self.codes, self.scales, self.offsets, bits=self.bits,
+                               group_size=self.group_size)
         else:
-            out = quant_matmul_reference(flat, self.codes, self.scales, self.offsets, **kw)
+            out = quant_matmul_reference(flat, self.codes, self.scales, self.offsets, bits=self.bits,
+                                         group_size=self.group_size)
         return out.view(*x.shape[:-1], self.out_features)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, in_features]: rows of the table

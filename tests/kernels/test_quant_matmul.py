@@ -138,7 +138,7 @@ W4A8_CASES = [(1, 16, 32, 32), (3, 48, 128, 64), (8, 96, 256, 128), (9, 64, 512,
 def w4a8_bound(n: int, k: int, group_size: int, seed: int):
     codes, scales, offsets, _ = random_packed(n, k, group_size, 4, seed=seed, device="cpu")
     tiled = cpu_w4a8_matmul.interleave(codes, scales, offsets, group_size=group_size)
-    kernel = cpu_w4a8_matmul.W4A8Kernel(cpu_w4a8_matmul.load_kernel(group_size), *tiled, group_size)
+    kernel = cpu_w4a8_matmul.W4A8Kernel(cpu_w4a8_matmul.load_kernel(group_size), *tiled)
     return kernel, (codes, scales, offsets)
 
 
