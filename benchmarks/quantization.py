@@ -3,7 +3,11 @@
 For ``--model smollm2`` (the default), three variants of SmolLM2-135M-Instruct, all with bfloat16
 activations:
 - ``bf16``: its GGUF file dequantized at load into bfloat16 (``quantization="none"``): the reference;
-- ``gguf-packed``: the same file with its Q4_1 matrices and Q8_0 embedding kept packed (``"gguf"``);
+- ``gguf-packed``: the same file with its Q4_1 matrices and Q8_0 embedding kept packed (``"gguf"``),
+  as the engine serves it: on a CPU with AVX-512 VNNI the 4-bit matmuls round x to int8
+  (kernels/cpu_w4a8_matmul.c);
+- ``gguf-torch-int4``: the same, with the 4-bit matmuls on torch's int4 kernel and bfloat16 x (what
+  a CPU without AVX-512 VNNI gets): what the int8 activations add, in speed and in perplexity;
 - ``awq-rtn``: ``kvpilot quantize`` of the bfloat16 Hugging Face copy (benchmarks/serving_common.py),
   4-bit round-to-nearest in AWQ's layout, served packed (``"awq"``).
 For ``--model small`` or a folder: ``bf16`` (the folder) and ``awq-rtn`` (its ``kvpilot quantize`` copy).
@@ -40,6 +44,7 @@ from serving_common import MODEL_CACHE, benchmark_model
 BATCHES = (1, 4, 8)
 PROMPT_TOKENS = 32
 GOALS = {"weight memory": 0.3, "decode": 1.5, "perplexity": 0.03}
+TORCH_INT4 = "gguf-torch-int4"  # the variant run without kvpilot's int8-activation kernel
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,7 +72,7 @@ def variants(model: str) -> dict[str, tuple[Path, str]]:
         from kvpilot.engine.model_fetch import fetch_model
 
         gguf = fetch_model("smollm2-135m")
-        return {"bf16": (gguf, "none"), "gguf-packed": (gguf, "gguf"),
+        return {"bf16": (gguf, "none"), "gguf-packed": (gguf, "gguf"), TORCH_INT4: (gguf, "gguf"),
                 "awq-rtn": (awq_copy(benchmark_model("smollm2")), "awq")}
     folder = benchmark_model(model)
     return {"bf16": (folder, "none"), "awq-rtn": (awq_copy(folder), "awq")}
@@ -99,6 +104,10 @@ def worker(name: str, path: str, quantization: str, args: argparse.Namespace) ->
     from kvpilot.engine.scoring import EVAL_PASSAGE, perplexity, sequence_logits
 
     torch.set_num_threads(args.threads)
+    if name == TORCH_INT4:  # as on a CPU where the int8-activation kernel does not build
+        from kvpilot.kernels import cpu_w4a8_matmul
+
+        cpu_w4a8_matmul.load_kernel = lambda group_size: None
     started = time.perf_counter()
     model = load_model(path, torch.bfloat16, "cpu", quantization=quantization)
     load_s = time.perf_counter() - started
@@ -163,7 +172,7 @@ def summarize(runs: list[dict], names: list[str]) -> None:
             medians[name][key] = statistics.median(values)
             cells.append(f"{labels[key]} {medians[name][key] * scale:.2f} "
                          f"[{min(values) * scale:.2f}-{max(values) * scale:.2f}]")
-        print(f"  {name:12s} " + "; ".join(cells))
+        print(f"  {name:15s} " + "; ".join(cells))
     reference = medians["bf16"]
     print("\nratios of medians against bf16 (goal in brackets):")
     for name in names[1:]:
@@ -196,7 +205,7 @@ def main() -> None:
             run = run_variant(name, *chosen[name], args)
             run["round"] = round_index
             runs.append(run)
-            print(f"round {round_index} {name:12s} weights {run['weight_bytes'] / 2**20:7.1f} MiB, perplexity "
+            print(f"round {round_index} {name:15s} weights {run['weight_bytes'] / 2**20:7.1f} MiB, perplexity "
                   f"{run['perplexity']:.4f}, decode tok/s "
                   + ", ".join(f"b{b} {run['decode_tok_s'][str(b)]:.1f}" for b in BATCHES)
                   + f" (load {run['load_s']:.1f} s)", flush=True)
