@@ -4,10 +4,11 @@ For ``--model smollm2`` (the default), three variants of SmolLM2-135M-Instruct, 
 activations:
 - ``bf16``: its GGUF file dequantized at load into bfloat16 (``quantization="none"``): the reference;
 - ``gguf-packed``: the same file with its Q4_1 matrices and Q8_0 embedding kept packed (``"gguf"``),
-  as the engine serves it: on a CPU with AVX-512 VNNI the 4-bit matmuls round x to int8
-  (kernels/cpu_w4a8_matmul.c);
-- ``gguf-torch-int4``: the same, with the 4-bit matmuls on torch's int4 kernel and bfloat16 x (what
-  a CPU without AVX-512 VNNI gets): what the int8 activations add, in speed and in perplexity;
+  as the engine serves it: on a CPU with AVX-512 VNNI the matmuls round x to int8
+  (kernels/cpu_int8_matmul.c);
+- ``gguf-torch-int4``: the same, with the 4-bit matmuls on torch's int4 kernel, the 8-bit LM head
+  on kvpilot's bfloat16 kernel, x in bfloat16 throughout (what a CPU without AVX-512 VNNI gets):
+  what the int8 activations add, in speed and in perplexity;
 - ``awq-rtn``: ``kvpilot quantize`` of the bfloat16 Hugging Face copy (benchmarks/serving_common.py),
   4-bit round-to-nearest in AWQ's layout, served packed (``"awq"``).
 For ``--model small`` or a folder: ``bf16`` (the folder) and ``awq-rtn`` (its ``kvpilot quantize`` copy).
@@ -105,9 +106,9 @@ def worker(name: str, path: str, quantization: str, args: argparse.Namespace) ->
 
     torch.set_num_threads(args.threads)
     if name == TORCH_INT4:  # as on a CPU where the int8-activation kernel does not build
-        from kvpilot.kernels import cpu_w4a8_matmul
+        from kvpilot.kernels import cpu_int8_matmul
 
-        cpu_w4a8_matmul.load_kernel = lambda group_size: None
+        cpu_int8_matmul.load_kernel = lambda bits, group_size: None
     started = time.perf_counter()
     model = load_model(path, torch.bfloat16, "cpu", quantization=quantization)
     load_s = time.perf_counter() - started

@@ -212,8 +212,7 @@ class CausalLM(nn.Module):
                 setattr(layer, name, packed)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, QuantizedLinear):
-            if self.lm_head is not None:  # a tied head is also the embedding, which reads kvpilot's layout
-                head.repack_for_cpu()
+            head.repack_for_cpu(embedding=self.lm_head is None)  # a tied head is also the embedding
             return True
         # A tied LM head gets its own packed copy: the embedding lookup needs the plain table.
         head = pack(head)

@@ -3,10 +3,10 @@
 The route is chosen per call from where the activations are: the Triton dequantize-in-GEMM kernel
 on CUDA (kvpilot.kernels.quant_matmul), the C kernel on the CPU (kvpilot.kernels.cpu_quant_matmul);
 where neither runs (a CPU without a C compiler), the reference dequantizes and multiplies.
-``repack_for_cpu`` (called by CausalLM.pack_weights_for_cpu for bfloat16 models) moves a 4-bit
-weight into the layout of a faster CPU kernel: kvpilot's int8-activation kernel
-(kvpilot.kernels.cpu_w4a8_matmul, AVX-512 VNNI) where it builds, else torch's own int4 kernel
-(``aten._weight_int4pack_mm_for_cpu``), which blocks registers across output features.
+``repack_for_cpu`` (called by CausalLM.pack_weights_for_cpu for bfloat16 models) moves a weight
+into the layout of a faster CPU kernel: kvpilot's int8-activation kernel
+(kvpilot.kernels.cpu_int8_matmul, AVX-512 VNNI) where it builds, else, for 4 bits, torch's own
+int4 kernel (``aten._weight_int4pack_mm_for_cpu``), which blocks registers across output features.
 A packed token embedding is a QuantizedLinear too: ``embedding`` dequantizes just the rows looked up.
 """
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvpilot.engine.quantization.packed import PackedWeight
-from kvpilot.kernels import cpu_quant_matmul, cpu_w4a8_matmul
+from kvpilot.kernels import cpu_int8_matmul, cpu_quant_matmul
 from kvpilot.kernels.quant_layout import quant_matmul_reference, unpack_codes
 
 
@@ -33,8 +33,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("codes", packed.codes)
         self.register_buffer("scales", packed.scales)
         self.register_buffer("offsets", packed.offsets)
-        # Where the codes are laid out: "kvpilot" (kvpilot.kernels.quant_layout), or "w4a8" or
-        # "torch-int4" after repack_for_cpu.
+        # Where the codes are laid out: "kvpilot" (kvpilot.kernels.quant_layout), or after
+        # repack_for_cpu "w4a8"/"w8a8" (kvpilot.kernels.cpu_int8_matmul) or "torch-int4".
         self.layout = "kvpilot"
         # The CPU kernel bound to these buffers once (checks and build paid at load, not per call).
         self._cpu_matmul = None
@@ -53,31 +53,31 @@ class QuantizedLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
 
-    def repack_for_cpu(self) -> str:
-        """Hold a 4-bit bfloat16 CPU weight in the layout of the fastest CPU kernel that runs here
-        (same bytes of codes); returns the layout now held.
+    def repack_for_cpu(self, *, embedding: bool = False) -> str:
+        """Hold a bfloat16 CPU weight in the layout of the fastest CPU kernel that runs here (same
+        bytes of codes); returns the layout now held.
 
-        - ``w4a8``: kvpilot's int8-activation kernel (kvpilot.kernels.cpu_w4a8_matmul), on CPUs with
-          AVX-512 VNNI and BF16. It rounds x to 8 bits per run of 32 inputs (about 1 % relative).
-        - ``torch-int4``: torch's int4 kernel, which dequantizes ``(code - 8) * scale + zero`` per
-          group, so ``zero = offset + 8 * scale`` (kept, like the scale, in bfloat16).
-        - ``kvpilot``: unchanged, where neither applies: 8-bit codes, another device or dtype,
-          out_features not a multiple of 16, neither kernel available.
-
-        A weight also used as the token embedding must not be repacked (``embedding`` reads
-        kvpilot's layout).
+        - ``w4a8`` / ``w8a8``: kvpilot's int8-activation kernel (kvpilot.kernels.cpu_int8_matmul), on
+          CPUs with AVX-512 VNNI and BF16. It rounds x to 8 bits per run of 32 inputs (about 1 %
+          relative). ``embedding`` reads this layout too.
+        - ``torch-int4`` (4 bits, elsewhere): torch's int4 kernel, which dequantizes
+          ``(code - 8) * scale + zero`` per group, so ``zero = offset + 8 * scale`` (kept, like the
+          scale, in bfloat16). Not taken with ``embedding=True`` (the weight is also the token
+          embedding, and its rows cannot be read back from torch's layout).
+        - ``kvpilot``: unchanged where neither applies: another device or dtype, out_features not a
+          multiple of 16, no kernel available.
         """
-        convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
-        if (self.layout != "kvpilot" or self.bits != 4 or self.codes.device.type != "cpu"
-                or self.dtype != torch.bfloat16 or self.out_features % 16):
+        if (self.layout != "kvpilot" or self.codes.device.type != "cpu" or self.dtype != torch.bfloat16
+                or self.out_features % 16):
             return self.layout
-        w4a8 = cpu_w4a8_matmul.load_kernel(self.group_size)
-        if w4a8 is not None:
-            self.codes, self.scales, self.offsets = cpu_w4a8_matmul.interleave(
-                self.codes, self.scales, self.offsets, group_size=self.group_size)
-            self._cpu_matmul = cpu_w4a8_matmul.W4A8Kernel(w4a8, self.codes, self.scales, self.offsets)
-            self.layout = "w4a8"
-        elif convert is not None:
+        int8_kernel = cpu_int8_matmul.load_kernel(self.bits, self.group_size)
+        convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+        if int8_kernel is not None:
+            self.codes, self.scales, self.offsets = cpu_int8_matmul.interleave(
+                self.codes, self.scales, self.offsets, bits=self.bits, group_size=self.group_size)
+            self._cpu_matmul = cpu_int8_matmul.Int8Kernel(int8_kernel, self.codes, self.scales, self.offsets)
+            self.layout = f"w{self.bits}a8"
+        elif self.bits == 4 and not embedding and convert is not None:
             values = unpack_codes(self.codes, 4).to(torch.int32)  # [out_features, in_features], 0..15
             scales, offsets = self.scales.float(), self.offsets.float()  # [out_features, groups]
             self.codes = convert(values, 1)  # [out_features, in_features // 2] uint8, torch's order
@@ -108,6 +108,9 @@ class QuantizedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, in_features]: rows of the table
+        if self.layout in ("w4a8", "w8a8"):
+            codes, scales, offsets = cpu_int8_matmul.rows(self.codes, self.scales, self.offsets, ids, bits=self.bits)
+            return PackedWeight(self.bits, self.group_size, codes, scales, offsets).dequantize(self.dtype)
         return self.packed.rows(ids).dequantize(self.dtype)
 
     def extra_repr(self) -> str:

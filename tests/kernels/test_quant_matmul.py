@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from kvpilot.kernels import cpu_quant_matmul, cpu_w4a8_matmul
+from kvpilot.kernels import cpu_int8_matmul, cpu_quant_matmul
 from kvpilot.kernels.quant_layout import (
     check_packed,
     dequantize,
@@ -123,44 +123,46 @@ def test_check_packed_names_what_does_not_fit():
     with pytest.raises(ValueError, match="multiple of 32"):
         pack_codes(torch.zeros(2, 48, dtype=torch.long), 4)
 
-# The int8-activation kernel for 4-bit weights (cpu_w4a8_matmul.c). With x whose runs of 32 are
-# already int8 values times a power of two (rounding x to 8 bits changes nothing) it must give the
-# reference's product to float32 rounding; with Gaussian x its error must stay at the size that
-# rounding x to 8 bits explains. Skipped on CPUs without AVX-512 VNNI and BF16, where it does not
-# build and 4-bit weights use torch's kernel.
-w4a8 = pytest.mark.skipif(ON_CUDA or cpu_w4a8_matmul.load_kernel(32) is None, reason="needs AVX-512 VNNI and BF16")
+# The int8-activation kernel (cpu_int8_matmul.c). With x whose runs of 32 are already int8 values
+# times a power of two (rounding x to 8 bits changes nothing) it must give the reference's product
+# to float32 rounding; with Gaussian x its error must stay at the size that rounding x to 8 bits
+# explains. Skipped on CPUs without AVX-512 VNNI and BF16, where it does not build.
+int8_kernel = pytest.mark.skipif(ON_CUDA or cpu_int8_matmul.load_kernel(4, 32) is None,
+                                 reason="needs AVX-512 VNNI and BF16")
 
 # (M rows, N out features (a multiple of 16), K in features, group size): one decode row, a row
 # tile and a bit, a prefill; K of one group and of many.
-W4A8_CASES = [(1, 16, 32, 32), (3, 48, 128, 64), (8, 96, 256, 128), (9, 64, 512, 256), (37, 576, 1536, 32)]
+INT8_CASES = [(1, 16, 32, 32), (3, 48, 128, 64), (8, 96, 256, 128), (9, 64, 512, 256), (37, 576, 1536, 32)]
 
 
-def w4a8_bound(n: int, k: int, group_size: int, seed: int):
-    codes, scales, offsets, _ = random_packed(n, k, group_size, 4, seed=seed, device="cpu")
-    tiled = cpu_w4a8_matmul.interleave(codes, scales, offsets, group_size=group_size)
-    kernel = cpu_w4a8_matmul.W4A8Kernel(cpu_w4a8_matmul.load_kernel(group_size), *tiled)
-    return kernel, (codes, scales, offsets)
+def int8_bound(n: int, k: int, group_size: int, bits: int, seed: int):
+    codes, scales, offsets, _ = random_packed(n, k, group_size, bits, seed=seed, device="cpu")
+    tiled = cpu_int8_matmul.interleave(codes, scales, offsets, bits=bits, group_size=group_size)
+    kernel = cpu_int8_matmul.Int8Kernel(cpu_int8_matmul.load_kernel(bits, group_size), *tiled)
+    return kernel, (codes, scales, offsets), tiled
 
 
-@w4a8
-@pytest.mark.parametrize("m,n,k,group_size", W4A8_CASES)
-def test_w4a8_exact_when_x_is_already_eight_bit(m, n, k, group_size):
-    kernel, packed = w4a8_bound(n, k, group_size, seed=m + n)
+@int8_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k,group_size", INT8_CASES)
+def test_int8_kernel_exact_when_x_is_already_eight_bit(m, n, k, group_size, bits):
+    kernel, packed, _ = int8_bound(n, k, group_size, bits, seed=m + n)
     gen = torch.Generator().manual_seed(m)
     x = torch.randint(-127, 128, (m, k), generator=gen).float()
     x.view(m, k // 32, 32)[..., 0] = 127  # every run's largest magnitude is 127: its scale is 1
     x = (x.view(m, k // 32, 32) * 2.0 ** torch.randint(-6, 3, (m, k // 32, 1), generator=gen)).view(m, k)
     x = x.to(torch.bfloat16)
-    expected = quant_matmul_reference(x.float(), *packed, bits=4, group_size=group_size)
+    expected = quant_matmul_reference(x.float(), *packed, bits=bits, group_size=group_size)
     torch.testing.assert_close(kernel(x).float(), expected, atol=1e-3, rtol=8e-3)  # out rounded to bfloat16
 
 
-@w4a8
-@pytest.mark.parametrize("m,n,k,group_size", W4A8_CASES)
-def test_w4a8_gaussian_x_within_eight_bit_rounding(m, n, k, group_size):
-    kernel, packed = w4a8_bound(n, k, group_size, seed=m * 7 + n)
+@int8_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k,group_size", INT8_CASES)
+def test_int8_kernel_gaussian_x_within_eight_bit_rounding(m, n, k, group_size, bits):
+    kernel, packed, _ = int8_bound(n, k, group_size, bits, seed=m * 7 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-    expected = quant_matmul_reference(x.float(), *packed, bits=4, group_size=group_size)
+    expected = quant_matmul_reference(x.float(), *packed, bits=bits, group_size=group_size)
     actual = kernel(x).float()
     assert actual.shape == (m, n)
     # x rounded to 8 bits per run of 32: about 0.5-1 % of the product's size; a wrong nibble,
@@ -168,25 +170,34 @@ def test_w4a8_gaussian_x_within_eight_bit_rounding(m, n, k, group_size):
     assert ((actual - expected).norm() / expected.norm()).item() < 0.02
 
 
-@w4a8
-def test_w4a8_all_zero_runs_and_an_empty_batch():
-    kernel, packed = w4a8_bound(32, 64, 32, seed=1)
+@int8_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_kernel_all_zero_runs_and_an_empty_batch(bits):
+    kernel, packed, _ = int8_bound(32, 64, 32, bits, seed=1)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     x[1, 32:] = 1.0  # row 0 all zero, row 1's first run zero: scale 0, no division by it
-    expected = quant_matmul_reference(x.float(), *packed, bits=4, group_size=32)
+    expected = quant_matmul_reference(x.float(), *packed, bits=bits, group_size=32)
     torch.testing.assert_close(kernel(x).float(), expected, atol=1e-3, rtol=8e-3)
     assert kernel(torch.zeros(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
 
 
-@w4a8
-def test_w4a8_interleave_keeps_the_bytes_and_refuses_what_does_not_tile():
-    codes, scales, offsets, _ = random_packed(48, 128, 64, 4, seed=0, device="cpu")
-    tiled = cpu_w4a8_matmul.interleave(codes, scales, offsets, group_size=64)
-    assert tuple(tiled[0].shape) == (3, 4, 4, 16, 4) and tiled[0].numel() == codes.numel()
-    assert sorted(tiled[0].flatten().tolist()) == sorted(codes.flatten().tolist())
+@int8_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_layout_keeps_the_bytes_and_gives_rows_back(bits):
+    _, (codes, scales, offsets), tiled = int8_bound(48, 128, 64, bits, seed=0)
+    assert tuple(tiled[0].shape) == (3, 4, bits, 16, 4) and tiled[0].numel() == codes.numel()
     assert tuple(tiled[1].shape) == (3, 2, 16) and torch.equal(tiled[1][1, :, 3], scales[19])
+    index = torch.tensor([19, 0, 47, 19])
+    picked = cpu_int8_matmul.rows(*tiled, index, bits=bits)
+    expected = (codes[index], scales[index], None if offsets is None else offsets[index])
+    for got, want in zip(picked, expected, strict=True):
+        assert (got is None and want is None) or (got.dtype == want.dtype and torch.equal(got, want))
+
+
+@int8_kernel
+def test_int8_layout_refuses_what_does_not_tile():
     odd = random_packed(40, 128, 64, 4, seed=0, device="cpu")[:3]
     with pytest.raises(ValueError, match="out_features .40. must be a multiple of 16"):
-        cpu_w4a8_matmul.interleave(*odd, group_size=64)
+        cpu_int8_matmul.interleave(*odd, bits=4, group_size=64)
     with pytest.raises(ValueError, match="bfloat16"):
-        w4a8_bound(16, 64, 32, seed=0)[0](torch.zeros(1, 64))
+        int8_bound(16, 64, 32, 4, seed=0)[0](torch.zeros(1, 64))

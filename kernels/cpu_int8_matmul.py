@@ -1,0 +1,111 @@
+"""Quantized weights times int8 activations on the CPU: the C kernel in cpu_int8_matmul.c (AVX-512 VNNI).
+
+For bfloat16 models with 4- or 8-bit weights: x is quantized to int8 per run of 32 inputs inside
+the call and multiplied with VPDPBUSD, twice the products per instruction of the bfloat16 dot
+product that bounds the other kernels at decode batch sizes of 4-8. The result differs from
+``quant_matmul_reference`` by the rounding of x to 8 bits (about 1 % relative, like llama.cpp's
+8-bit activations); tests/kernels/test_quant_matmul.py bounds it.
+
+The kernel reads its own layout (``interleave``; cpu_int8_matmul.c's comment); ``rows`` reads
+output features back in kvpilot's layout (a packed token embedding's lookup). Built by
+cpu_build.py once per bit width and group size; on CPUs without AVX-512 VNNI and BF16 the build
+refuses and ``load_kernel`` returns None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from kvpilot.kernels.cpu_build import KernelBuildError, load_library
+from kvpilot.kernels.quant_layout import CHUNK, check_packed, unpack_codes
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_int8_matmul.c")
+FEATURE_TILE = 16  # output features per work item; N must be a multiple
+BIAS_8BIT = 128  # 8-bit codes are stored as code + 128: VPDPBUSD's weight operand is unsigned
+__all__ = ["Int8Kernel", "interleave", "load_kernel", "rows"]
+
+
+def interleave(
+    codes: torch.Tensor,  # kvpilot's layout (quant_layout): 4 bits [N, K // 2] uint8, 8 bits [N, K] int8
+    scales: torch.Tensor,  # [N, K // group_size] float16
+    offsets: torch.Tensor | None,  # [N, K // group_size] float16 (4 bits); None (8 bits)
+    *,
+    bits: int,
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The same weight in the kernel's layout: codes [N / 16, K / 32, 4 (4 bits) or 8 (8 bits), 16, 4]
+    uint8, scales and offsets [N / 16, K / group_size, 16] float16. As many bytes as before."""
+    n, k = check_packed(codes, scales, offsets, bits=bits, group_size=group_size)
+    if n % FEATURE_TILE:
+        raise ValueError(f"out_features ({n}) must be a multiple of {FEATURE_TILE}")
+    values = unpack_codes(codes, bits)  # [N, K]
+    if bits == 4:
+        values = values.view(n // FEATURE_TILE, FEATURE_TILE, k // CHUNK, 2, 4, 4)  # tile f run half j q
+        tiled = (values[:, :, :, 0] | (values[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # tile run j f q
+    else:
+        values = (values.view(torch.uint8) ^ BIAS_8BIT).view(n // FEATURE_TILE, FEATURE_TILE, k // CHUNK, 8, 4)
+        tiled = values.permute(0, 2, 3, 1, 4)  # tile run j f q
+
+    def per_tile(table: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [N / 16, groups, 16]
+        return table.view(n // FEATURE_TILE, FEATURE_TILE, -1).transpose(1, 2).contiguous()
+
+    return tiled.contiguous(), per_tile(scales), None if offsets is None else per_tile(offsets)
+
+
+def rows(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, index: torch.Tensor, *, bits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Output features ``index`` [n] of an interleaved weight, back in kvpilot's layout: (codes
+    [n, K // 2] uint8 or [n, K] int8, scales, offsets [n, groups] float16)."""
+    tile, feature = index // FEATURE_TILE, index % FEATURE_TILE
+    picked = codes[tile, :, :, feature, :].reshape(len(index), -1)  # [n, K // 2] (4 bits) or [n, K]
+    if bits == 8:
+        picked = (picked ^ BIAS_8BIT).view(torch.int8)
+    # Byte 4 * j + q of a 4-bit run holds inputs 4j+q and 16+4j+q: kvpilot's run order already.
+    return (picked.contiguous(), scales[tile, :, feature].contiguous(),
+            None if offsets is None else offsets[tile, :, feature].contiguous())
+
+
+class Int8Kernel:
+    """An interleaved weight bound to its kernel: a callable [M, K] bfloat16 -> [M, N] bfloat16."""
+
+    __slots__ = ("_function", "_tensors", "_pointers", "n", "k")
+
+    def __init__(self, function: ctypes._CFuncPtr, codes: torch.Tensor, scales: torch.Tensor,
+                 offsets: torch.Tensor | None) -> None:
+        self._function = function
+        self._tensors = (codes, scales, offsets)  # held: the kernel reads them through raw pointers
+        self._pointers = tuple(None if t is None else t.data_ptr() for t in self._tensors)
+        self.n = codes.shape[0] * FEATURE_TILE
+        self.k = codes.shape[1] * CHUNK
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        # Called ~120 times a decode step: the checks are the few that keep the raw pointers safe.
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
+            raise ValueError(f"x must be [M, {self.k}] bfloat16 on the CPU, got {tuple(x.shape)} {x.dtype} {x.device}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        if self._function(x.data_ptr(), *self._pointers, out.data_ptr(), x.shape[0], self.n, self.k):
+            raise MemoryError(f"no memory for {x.shape[0]} x {self.k} activations quantized to int8")
+        return out
+
+
+@functools.cache
+def load_kernel(bits: int, group_size: int) -> ctypes._CFuncPtr | None:
+    """The kernel for this bit width and group size; None where it cannot be built (no AVX-512
+    VNNI/BF16, no compiler)."""
+    try:
+        library = load_library(SOURCE, {"BITS": bits, "GROUP_SIZE": group_size})
+    except KernelBuildError as exc:
+        logger.info("quantized matmuls without int8 activations (%s)", str(exc).splitlines()[-1])
+        return None
+    function = library.kvpilot_int8_matmul
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3  # x, codes, scales, offsets, out, m, n, k
+    return function
