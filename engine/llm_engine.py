@@ -545,7 +545,7 @@ def _load_draft_model(
             f"speculative_config.model: the draft handles {draft_arch.max_position_embeddings} positions, fewer "
             f"than max_model_len ({max_model_len}); lower max_model_len or use another draft"
         )
-    draft = load_model(path, dtype, torch.device(device))
+    draft = load_model(path, dtype, torch.device(device), quantization="auto")  # a packed draft stays packed
     if device == "cpu":
         draft.pack_weights_for_cpu(batch_size_hint=config.speculative_config.disable_by_batch_size)
     return draft

@@ -78,6 +78,22 @@ def test_packed_and_dequantized_weights_give_the_same_logits_and_greedy_tokens(a
         assert ours.outputs[0].cumulative_logprob == pytest.approx(reference.outputs[0].cumulative_logprob, abs=1e-3)
 
 
+def test_a_packed_draft_stays_packed_and_drafts_for_the_full_model(awq_dir, tiny_model_dirs):
+    # The model's own 4-bit copy as the draft of the unquantized model (same vocabulary): the
+    # draft keeps its checkpoint's format, greedy output is the target's, and most proposals hold.
+    target = tiny_model_dirs["qwen2" if "qwen2" in awq_dir.name else "llama"]
+    kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "kv_cache_memory": 16 << 20}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(target), **kw).generate(PROMPTS, params, use_tqdm=False)
+    spec = {"method": "draft_model", "model": str(awq_dir), "num_speculative_tokens": 3}
+    llm = LLM(str(target), speculative_config=spec, **kw)
+    draft = llm.llm_engine.speculator.proposer.model
+    assert all(isinstance(getattr(layer, name), QuantizedLinear) for layer in draft.layers for name in MATRICES)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.llm_engine.stats().spec_decode.acceptance_rate > 0.5
+
+
 def test_bfloat16_packed_model_stays_close_to_float32(awq_dir):
     # bfloat16 activations through the same codes: only the activations' rounding differs (8 bits
     # per run of 32 in the int8-activation kernel).
