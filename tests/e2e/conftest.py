@@ -1,12 +1,13 @@
-"""What every end-to-end module shares: the session's local cluster, a Kube client on it, the check
-that the operator made each child of a service at most once, and the wait for a service to converge."""
+"""What every end-to-end module shares: the session's local cluster, a Kube client on it, the chart's
+operator installed in a namespace, the check that the operator made each child of a service at
+most once, and the wait for a service to converge."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvpilot.localcluster.testing import wait_until
-from kvpilot.operator import builders
+from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.status import pod_ready
 
@@ -19,6 +20,33 @@ def cluster(local_cluster):
 @pytest.fixture(scope="module")
 def kube(cluster) -> Kube:
     return Kube(cluster.api_client())
+
+
+@pytest.fixture(scope="module")
+def chart_operator(cluster, kube):
+    """``install(namespace, release, health_port, *settings)``: the chart installed as ``release`` in a
+    new ``namespace`` (namespaced RBAC, pods on their IPs, short engine grace periods, the operator on
+    ``health_port`` and the next port, plus ``settings`` as `--set` values), its operator pod Ready.
+    At the module's end the services, the releases and the namespaces go."""
+    installed: list[tuple[str, str]] = []
+
+    def install(namespace: str, release: str, health_port: int, *settings: str) -> None:
+        cluster.kubectl("create", "namespace", namespace)
+        installed.append((namespace, release))
+        base = ("rbac.scope=namespaced", "engine.bindPodIP=true", "bindPodIP=true", "engine.shutdownGraceSeconds=2",
+                "engine.drainSeconds=1", "engine.startupSeconds=600", "resyncSeconds=5", f"healthPort={health_port}",
+                f"metricsPort={health_port + 1}")
+        cluster.helm("install", release, str(crd.REPO_ROOT / "charts" / "kvpilot"), "--namespace", namespace,
+                     *(arg for value in (*base, *settings) for arg in ("--set", value)))
+        selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=operator"
+        wait_until(lambda: [p for p in kube.list("v1", "Pod", namespace, label_selector=selector) if pod_ready(p)],
+                   90, "the operator pod to be ready", interval=0.5)
+
+    yield install
+    for namespace, release in installed:
+        cluster.kubectl("delete", "kvis", "--all", "-n", namespace, "--wait=true", "--timeout=60s", check=False)
+        cluster.helm("uninstall", release, "--namespace", namespace, "--wait", check=False)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")

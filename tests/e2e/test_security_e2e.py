@@ -83,27 +83,8 @@ FORBIDDEN_CALLS = (
 
 
 @pytest.fixture(scope="module")
-def operator(cluster, kube):
-    cluster.kubectl("create", "namespace", NS)
-    cluster.helm(
-        "install", RELEASE, str(crd.REPO_ROOT / "charts" / "kvpilot"), "--namespace", NS,
-        "--set", "rbac.scope=namespaced", "--set", "networkPolicy.enabled=true",
-        "--set", "engine.bindPodIP=true", "--set", "bindPodIP=true",
-        "--set", "engine.shutdownGraceSeconds=2", "--set", "engine.drainSeconds=1",
-        "--set", "engine.startupSeconds=600", "--set", "resyncSeconds=5", "--set", "logLevel=DEBUG",
-        "--set", f"healthPort={OPERATOR_HEALTH_PORT}", "--set", f"metricsPort={OPERATOR_HEALTH_PORT + 1}",
-    )
-
-    def running():
-        pods = kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
-        return [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
-                                       for c in p.get("status", {}).get("conditions", []))]
-
-    wait_until(running, 90, "the operator pod to be ready", interval=0.5)
-    yield
-    cluster.kubectl("delete", "kvis", "--all", "-n", NS, "--wait=true", "--timeout=60s", check=False)
-    cluster.helm("uninstall", RELEASE, "--namespace", NS, "--wait", check=False)
-    cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+def operator(chart_operator):
+    chart_operator(NS, RELEASE, OPERATOR_HEALTH_PORT, "networkPolicy.enabled=true", "logLevel=DEBUG")
 
 
 @pytest.fixture(scope="module")

@@ -27,33 +27,14 @@ pytestmark = pytest.mark.e2e
 NS = "kvpilot-spec-e2e"
 RELEASE = "spd"
 NAME = "drafted"
-OPERATOR_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
 OPERATOR_HEALTH_PORT = 18541  # pods share the host's network: clear of the other e2e modules' ports
 ENGINE_READY_S = 240  # the engine imports torch and loads two models on 2 shared cores
 NUM_SPECULATIVE_TOKENS = 3
 
 
 @pytest.fixture(scope="module")
-def operator(cluster, kube):
-    cluster.kubectl("create", "namespace", NS)
-    cluster.helm(
-        "install", RELEASE, str(crd.REPO_ROOT / "charts" / "kvpilot"), "--namespace", NS,
-        "--set", "rbac.scope=namespaced", "--set", "engine.bindPodIP=true", "--set", "bindPodIP=true",
-        "--set", "engine.shutdownGraceSeconds=2", "--set", "engine.drainSeconds=1",
-        "--set", "engine.startupSeconds=600", "--set", "resyncSeconds=5",
-        "--set", f"healthPort={OPERATOR_HEALTH_PORT}", "--set", f"metricsPort={OPERATOR_HEALTH_PORT + 1}",
-    )
-
-    def running():
-        pods = kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
-        return [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
-                                       for c in p.get("status", {}).get("conditions", []))]
-
-    wait_until(running, 90, "the operator pod to be ready", interval=0.5)
-    yield
-    cluster.kubectl("delete", "kvis", "--all", "-n", NS, "--wait=true", "--timeout=60s", check=False)
-    cluster.helm("uninstall", RELEASE, "--namespace", NS, "--wait", check=False)
-    cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+def operator(chart_operator):
+    chart_operator(NS, RELEASE, OPERATOR_HEALTH_PORT)
 
 
 @pytest.fixture(scope="module")
