@@ -190,8 +190,8 @@ class CausalLM(nn.Module):
         """Reorder the matmul weights into oneDNN's blocked layout once, instead of per call.
 
         For bfloat16 on CPU this makes decode-sized matmuls markedly faster (the AMX kernels
-        otherwise re-pack the weight on every call). 4-bit weights kept packed move into the layout
-        of a quantized CPU kernel instead (QuantizedLinear.repack_for_cpu). Returns False, changing
+        otherwise re-pack the weight on every call). Weights kept packed move into the layout of a
+        quantized CPU kernel instead (QuantizedLinear.repack_for_cpu). Returns False, changing
         nothing, for other dtypes and devices or a torch built without oneDNN.
         """
         if self.norm.device.type != "cpu" or self.dtype != torch.bfloat16:

@@ -90,7 +90,7 @@ class QuantizedLinear(nn.Module):
         return self.layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
-        if self.layout != "kvpilot" and x.dim() == 2 and x.dtype == self.dtype:
+        if self.layout != "kvpilot" and x.dim() == 2 and x.dtype == self.dtype and x.is_contiguous():
             return self._cpu_matmul(x)  # a decode step's ~120 calls: nothing else on the way
         flat = x.reshape(-1, self.in_features)
         if self.layout != "kvpilot":  # repacked for a CPU kernel, which takes the layer's dtype
