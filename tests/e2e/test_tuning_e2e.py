@@ -153,7 +153,11 @@ class Load:
             self._refresh_once()
 
     def _client(self, index: int) -> None:
-        with httpx.Client(timeout=120) as client:
+        # A new connection per request: a request written on a kept-alive connection just as a
+        # drained pod's server closes it is reset (ReadError) though the pod drained correctly; a
+        # new connection to a closed server is refused instead (not routed), and a request the pod
+        # accepted and then dropped still fails the test.
+        with httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as client:
             while not self.stop_event.is_set():
                 if index >= self.active or not self.targets:
                     time.sleep(0.5)
