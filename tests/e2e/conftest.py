@@ -25,8 +25,9 @@ def kube(cluster) -> Kube:
 @pytest.fixture(scope="module")
 def chart_operator(cluster, kube):
     """``install(namespace, release, health_port, *settings)``: the chart installed as ``release`` in a
-    new ``namespace`` (namespaced RBAC, pods on their IPs, short engine grace periods, the operator on
-    ``health_port`` and the next port, plus ``settings`` as `--set` values), its operator pod Ready.
+    new ``namespace`` (namespaced RBAC, pods on their IPs, short engine grace periods, a long startup
+    allowance, the operator on ``health_port`` and the next port, plus ``settings`` as `--set`
+    values), its operator pod Ready.
     At the module's end the services, the releases and the namespaces go."""
     installed: list[tuple[str, str]] = []
 
@@ -34,7 +35,7 @@ def chart_operator(cluster, kube):
         cluster.kubectl("create", "namespace", namespace)
         installed.append((namespace, release))
         base = ("rbac.scope=namespaced", "engine.bindPodIP=true", "bindPodIP=true", "engine.shutdownGraceSeconds=2",
-                "engine.drainSeconds=1", "engine.startupSeconds=600", "resyncSeconds=5", f"healthPort={health_port}",
+                "engine.drainSeconds=1", "engine.startupSeconds=600", f"healthPort={health_port}",
                 f"metricsPort={health_port + 1}")
         cluster.helm("install", release, str(crd.REPO_ROOT / "charts" / "kvpilot"), "--namespace", namespace,
                      *(arg for value in (*base, *settings) for arg in ("--set", value)))

@@ -31,7 +31,7 @@ from kvpilot import engine_contract as contract
 from kvpilot.localcluster import components
 from kvpilot.localcluster.cluster import Health
 from kvpilot.localcluster.testing import wait_until
-from kvpilot.operator import builders, crd
+from kvpilot.operator import builders
 from kvpilot.operator.status import pod_ready
 from kvpilot.operator.engine_metrics import parse_snapshot
 from kvpilot.operator.spec import EngineSettings, parse_spec
@@ -57,17 +57,9 @@ def _kv_cache_args(mib: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tuned(cluster, kube, converged, tiny_model_dir):
+def tuned(cluster, kube, chart_operator, converged, tiny_model_dir):
     """The operator installed, the service serving, and a tuned state stored as the tuner stores it."""
-    cluster.kubectl("create", "namespace", NS)
-    cluster.helm(
-        "install", RELEASE, str(crd.REPO_ROOT / "charts" / "kvpilot"), "--namespace", NS,
-        "--set", "rbac.scope=namespaced",
-        "--set", "engine.bindPodIP=true", "--set", "bindPodIP=true",
-        "--set", "engine.shutdownGraceSeconds=2", "--set", "engine.drainSeconds=1",
-        "--set", "engine.startupSeconds=600",
-        "--set", f"healthPort={OPERATOR_HEALTH_PORT}", "--set", f"metricsPort={OPERATOR_HEALTH_PORT + 1}",
-    )
+    chart_operator(NS, RELEASE, OPERATOR_HEALTH_PORT)
     manifest = {
         "apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": NAME, "namespace": NS},
@@ -89,10 +81,6 @@ def tuned(cluster, kube, converged, tiny_model_dir):
                owner=kube.get_inference_service(NS, NAME))  # fmt: skip
     wait_until(lambda: _status(kube).get("engine", {}).get("maxNumSeqs") == TUNED_MAX_NUM_SEQS, 60,
                "status.engine to show the tuned maxNumSeqs")  # fmt: skip
-    yield
-    cluster.kubectl("delete", "kvis", NAME, "-n", NS, "--wait=true", "--timeout=60s", check=False)
-    cluster.helm("uninstall", RELEASE, "--namespace", NS, "--wait", check=False)
-    cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
 
 
 def _status(kube) -> dict:

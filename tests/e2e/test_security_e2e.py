@@ -84,7 +84,7 @@ FORBIDDEN_CALLS = (
 
 @pytest.fixture(scope="module")
 def operator(chart_operator):
-    chart_operator(NS, RELEASE, OPERATOR_HEALTH_PORT, "networkPolicy.enabled=true", "logLevel=DEBUG")
+    chart_operator(NS, RELEASE, OPERATOR_HEALTH_PORT, "resyncSeconds=5", "networkPolicy.enabled=true", "logLevel=DEBUG")
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ NUM_SPECULATIVE_TOKENS = 3
 
 @pytest.fixture(scope="module")
 def operator(chart_operator):
-    chart_operator(NS, RELEASE, OPERATOR_HEALTH_PORT)
+    chart_operator(NS, RELEASE, OPERATOR_HEALTH_PORT, "resyncSeconds=5")
 
 
 @pytest.fixture(scope="module")
