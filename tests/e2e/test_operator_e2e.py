@@ -255,7 +255,7 @@ def _deployment_max_num_seqs(kube) -> str:
                  "--max-num-seqs")
 
 
-def test_the_standby_takes_over_when_the_leader_is_killed_mid_reconcile(cluster, kube, operator):
+def test_the_standby_takes_over_when_the_leader_is_killed_mid_reconcile(cluster, kube, operator, converged):
     token_before = kube.get("v1", "Secret", NS, "tiny-admin")["data"]["token"]
     leader = _wait_operator_running(cluster, kube)["metadata"]["name"]
     transitions = kube.get("coordination.k8s.io/v1", "Lease", NS, LEASE)["spec"].get("leaseTransitions", 0)
@@ -282,10 +282,10 @@ def test_the_standby_takes_over_when_the_leader_is_killed_mid_reconcile(cluster,
 
     new_leader = _wait_operator_running(cluster, kube)
     assert new_leader["metadata"]["name"] == _lease_holder(kube) != leader
-    kvis = _wait_ready(cluster, kube, "tiny", 1)
-    assert kvis["status"]["engine"]["maxNumSeqs"] == 12
-    (pod,) = _engine_pods(kube, "tiny")
-    assert _flag(pod["spec"]["containers"][0]["args"], "--max-num-seqs") == "12"
+    # Rolled out, not only Ready: the status can read Ready while the old pod goes and the new one
+    # is not yet listed (seen once in CI: no engine pod right after the status said Ready).
+    converged(NS, "tiny", "--max-num-seqs", "12", ENGINE_READY_S)
+    assert _kvis(kube, "tiny")["status"]["engine"]["maxNumSeqs"] == 12
 
     # Converged means still: another resync changes nothing (no new rollout, no new token).
     deployment = kube.get("apps/v1", "Deployment", NS, "tiny")
