@@ -1,7 +1,7 @@
 """Builds the CPU C kernels (cpu_paged_decode.c, cpu_fused_ops.c) on first use, and caches them.
 
 A kernel is compiled with the system C compiler (``$CC``, default ``gcc``) for this machine's
-CPU (``-march=native``), with its shape constants as ``-D`` defines, and cached under
+CPU (``-march=native``, less any feature ``KVPILOT_CPU_FEATURES`` removes: cpu_features.py), with its shape constants as ``-D`` defines, and cached under
 ``$KVPILOT_KERNEL_CACHE`` (default ``~/.cache/kvpilot/kernels``), keyed by the sources (the C
 file and the headers beside it), the defines, the compiler and the CPU's flags. Its OpenMP calls
 bind to the runtime torch has already loaded (libgomp, or Intel OpenMP under `kvpilot serve`),
@@ -13,12 +13,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+
+from kvpilot.kernels import cpu_features
 
 # cpu_elem.h's element types, chosen with -DDTYPE.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -43,11 +44,12 @@ def load_library(source: Path, defines: dict[str, int]) -> ctypes.CDLL:
             f"no working C compiler {compiler!r} for the CPU kernels ({exc}); "
             "install gcc (apt-get install gcc) or point $CC at one"
         ) from None
-    flags = [*COMPILE_FLAGS, *(f"-D{name}={value}" for name, value in defines.items())]
+    features = cpu_features.detect()
+    flags = [*COMPILE_FLAGS, *features.compile_flags(), *(f"-D{name}={value}" for name, value in defines.items())]
     sources = [source, *sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
         b"\0".join([*(s.read_bytes() for s in sources), version.encode(), " ".join(flags + [*LINK_FLAGS]).encode(),
-                    _cpu_flags().encode()])
+                    cpu_features.cpu_flags_line().encode()])
     ).hexdigest()[:16]
     cache = Path(os.environ.get("KVPILOT_KERNEL_CACHE") or Path.home() / ".cache" / "kvpilot" / "kernels")
     library = cache / f"{source.stem}-{key}.so"
@@ -67,13 +69,3 @@ def load_library(source: Path, defines: dict[str, int]) -> ctypes.CDLL:
         os.replace(tmp, library)
     return ctypes.CDLL(str(library))
 
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags: the build uses -march=native, so a cached library is per CPU model."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.kernels import cpu_features
 from kvpilot.kernels.cpu_build import KernelBuildError, load_library
 from kvpilot.kernels.quant_layout import CHUNK, check_packed, unpack_codes
 
@@ -100,6 +101,11 @@ class Int8Kernel:
 def load_kernel(bits: int, group_size: int) -> ctypes._CFuncPtr | None:
     """The kernel for this bit width and group size; None where it cannot be built (no AVX-512
     VNNI/BF16, no compiler)."""
+    features = cpu_features.detect()
+    if features.int8_matmul_isa is None:
+        logger.info("quantized matmuls without int8 activations (the CPU lacks AVX-512 VNNI and BF16: %s)",
+                    features.summary())
+        return None
     try:
         library = load_library(SOURCE, {"BITS": bits, "GROUP_SIZE": group_size})
     except KernelBuildError as exc:

@@ -31,6 +31,28 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture
+def cpu_without(monkeypatch):
+    """``cpu_without("avx512f", ...)`` runs the rest of the test as on a CPU without those features
+    (KVPILOT_CPU_FEATURES's meaning: the C kernels are built again without them), so each CPU path
+    runs on any machine that has the features it needs. Returns the faked CpuFeatures."""
+    from kvpilot.kernels import cpu_features, cpu_fused_ops, cpu_int8_matmul, cpu_paged_decode, cpu_quant_matmul
+
+    loaders = (cpu_fused_ops.load_ops, cpu_int8_matmul.load_kernel, cpu_paged_decode.load_kernel,
+               cpu_quant_matmul.load_kernel)
+
+    def remove(*names: str):
+        features = cpu_features.parse(cpu_features.cpu_flags_line(), ",".join(f"-{name}" for name in names))
+        monkeypatch.setattr(cpu_features, "detect", lambda: features)
+        for loader in loaders:
+            loader.cache_clear()
+        return features
+
+    yield remove
+    for loader in loaders:
+        loader.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict:
     """arch -> folder of a generated `tiny` model (float32, real tokenizer), built once per session."""

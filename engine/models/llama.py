@@ -19,7 +19,7 @@ from torch import nn
 from kvpilot.engine.attention import AttentionBackend, AttentionMetadata
 from kvpilot.engine.models.config import ModelArch, RopeScaling
 from kvpilot.engine.quantization.linear import QuantizedLinear
-from kvpilot.kernels import cpu_fused_ops
+from kvpilot.kernels import cpu_features, cpu_fused_ops
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -187,36 +187,40 @@ class CausalLM(nn.Module):
         return linear(hidden, head).float()
 
     def pack_weights_for_cpu(self, batch_size_hint: int) -> bool:
-        """Reorder the matmul weights into oneDNN's blocked layout once, instead of per call.
+        """Hold a bfloat16 CPU model's matmul weights in the layouts of the fastest kernels this CPU
+        runs, once, instead of converting per call; returns whether any weight moved.
 
-        For bfloat16 on CPU this makes decode-sized matmuls markedly faster (the AMX kernels
-        otherwise re-pack the weight on every call). Weights kept packed move into the layout of a
-        quantized CPU kernel instead (QuantizedLinear.repack_for_cpu). Returns False, changing
-        nothing, for other dtypes and devices or a torch built without oneDNN.
+        Dense weights go into oneDNN's blocked layout where oneDNN can reorder bfloat16 (AVX-512
+        BW/VL/DQ or AVX-NE-CONVERT, kvpilot.kernels.cpu_features): decode-sized matmuls get markedly
+        faster (the AMX kernels otherwise re-pack the weight on every call). Weights kept packed move
+        into the layout of a quantized CPU kernel (QuantizedLinear.repack_for_cpu). Other dtypes and
+        devices, and a torch built without oneDNN, keep every weight as it is.
         """
         if self.norm.device.type != "cpu" or self.dtype != torch.bfloat16:
             return False
-        if not torch.backends.mkldnn.is_available():
-            return False
+        onednn = torch.backends.mkldnn.is_available() and cpu_features.detect().onednn_bf16_prepack
+        moved = False
 
-        def pack(weight: torch.Tensor) -> torch.Tensor:
-            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+        def pack(owner: nn.Module, name: str, *, embedding: bool = False) -> None:
+            nonlocal moved
+            weight = getattr(owner, name)
+            if isinstance(weight, QuantizedLinear):
+                moved |= weight.repack_for_cpu(embedding=embedding) != "kvpilot"
+            elif onednn:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+                delattr(owner, name)  # a Parameter slot cannot hold an opaque oneDNN tensor
+                setattr(owner, name, packed)
+                moved = True
 
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                if isinstance(getattr(layer, name), QuantizedLinear):
-                    getattr(layer, name).repack_for_cpu()
-                    continue  # multiplied by the quantized kernel, not oneDNN
-                packed = pack(getattr(layer, name))
-                delattr(layer, name)  # a Parameter slot cannot hold an opaque oneDNN tensor
-                setattr(layer, name, packed)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if isinstance(head, QuantizedLinear):
-            head.repack_for_cpu(embedding=self.lm_head is None)  # a tied head is also the embedding
-            return True
-        # A tied LM head gets its own packed copy: the embedding lookup needs the plain table.
-        head = pack(head)
+                pack(layer, name)
         if self.lm_head is not None:
-            delattr(self, "lm_head")
-        self.lm_head = head
-        return True
+            pack(self, "lm_head")
+        elif isinstance(self.embed_tokens, QuantizedLinear):
+            pack(self, "embed_tokens", embedding=True)  # the tied head is also the embedding
+        elif onednn:
+            # A tied dense head gets its own packed copy: the embedding lookup needs the plain table.
+            self.lm_head = self.embed_tokens.detach()
+            pack(self, "lm_head")
+        return moved

@@ -11,8 +11,10 @@ from safetensors.torch import load_file, save_file
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.models import ModelLoadError, load_model, load_tokenizer, read_model_arch
+from kvpilot.kernels import cpu_features
 
 BLOCK_SIZE = 4
+DENSE_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 NUM_BLOCKS = 64
 
 
@@ -147,14 +149,29 @@ def test_prepacked_cpu_weights_give_the_same_logits(arch, tiny_model_dirs):
     prompt = list(range(5, 30))
     plain = load_model(tiny_model_dirs[arch], torch.bfloat16, "cpu")
     packed = load_model(tiny_model_dirs[arch], torch.bfloat16, "cpu")
-    if not packed.pack_weights_for_cpu(batch_size_hint=8):
-        pytest.skip("this torch build has no oneDNN")
+    if not (torch.backends.mkldnn.is_available() and cpu_features.detect().onednn_bf16_prepack):
+        pytest.skip(f"oneDNN cannot reorder bfloat16 weights here (CPU: {cpu_features.detect().summary()})")
+    assert packed.pack_weights_for_cpu(batch_size_hint=8)
+    assert all(getattr(layer, name).is_mkldnn for layer in packed.layers for name in DENSE_MATRICES)
     assert not load_model(tiny_model_dirs[arch], torch.float32, "cpu").pack_weights_for_cpu(batch_size_hint=8)
     expected = PagedBatch(plain, 1).step(plain, [prompt])
     got = PagedBatch(packed, 1).step(packed, [prompt])
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
 
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_cpu_without_avx512_keeps_dense_bfloat16_weights_unpacked(arch, tiny_model_dirs, cpu_without):
+    # oneDNN's bfloat16 reorder raises on AVX2 (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT).
+    cpu_without("avx512f", "avx_ne_convert")
+    prompt = list(range(5, 30))
+    plain = load_model(tiny_model_dirs[arch], torch.bfloat16, "cpu")
+    model = load_model(tiny_model_dirs[arch], torch.bfloat16, "cpu")
+    assert not model.pack_weights_for_cpu(batch_size_hint=8)
+    assert not any(getattr(layer, name).is_mkldnn for layer in model.layers for name in DENSE_MATRICES)
+    assert model.lm_head is None or not model.lm_head.is_mkldnn
+    torch.testing.assert_close(PagedBatch(model, 1).step(model, [prompt]), PagedBatch(plain, 1).step(plain, [prompt]))
 
 def test_arch_fields(tiny_model_dirs):
     llama = read_model_arch(tiny_model_dirs["llama"])

@@ -1,0 +1,52 @@
+"""CPU feature probing and the choices made from it, on the flag lines of the project's two machine
+types (an AVX2-only AMD EPYC and an AVX-512 Zen 4) and on features taken away."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.kernels import cpu_features
+
+AVX2_EPYC = "flags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi1 bmi2 vaes vpclmulqdq"
+ZEN4 = (AVX2_EPYC + " avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512vbmi avx512_vnni"
+        " avx512_bitalg avx512_vpopcntdq")
+
+
+def test_an_avx2_cpu_gets_no_avx512_path():
+    features = cpu_features.parse(AVX2_EPYC)
+    assert features.has("avx2", "fma") and not features.avx512
+    assert not features.onednn_bf16_prepack and not features.native_bf16
+    assert features.int8_matmul_isa is None
+    assert features.compile_flags() == ()
+
+
+def test_an_avx512_bf16_vnni_cpu_gets_every_path():
+    features = cpu_features.parse(ZEN4)
+    assert features.avx512 and features.native_bf16 and features.onednn_bf16_prepack
+    assert features.int8_matmul_isa == "avx512_vnni"
+
+
+def test_avx_ne_convert_alone_allows_onednn_bfloat16_reorder():
+    features = cpu_features.parse(AVX2_EPYC + " avx_vnni avx_ne_convert")
+    assert features.onednn_bf16_prepack and not features.native_bf16
+
+
+def test_removing_a_feature_removes_what_builds_on_it_and_turns_it_off_in_builds():
+    features = cpu_features.parse(ZEN4, "-avx512f")
+    assert not features.avx512 and not features.has("avx512_vnni") and not features.has("avx512_bf16")
+    assert features.has("avx2") and features.int8_matmul_isa is None
+    assert "-mno-avx512f" in features.compile_flags() and "-mno-avx512vnni" in features.compile_flags()
+    assert "removed by KVPILOT_CPU_FEATURES" in features.summary()
+    assert cpu_features.parse(ZEN4, "-avx512_vnni").int8_matmul_isa is None
+    assert cpu_features.parse(ZEN4, "-avx512_vnni").native_bf16
+
+
+def test_a_feature_cannot_be_added():
+    with pytest.raises(ValueError, match="KVPILOT_CPU_FEATURES: 'avx512f': only features can be removed"):
+        cpu_features.parse(AVX2_EPYC, "avx512f")
+
+
+def test_this_machine_is_probed():
+    features = cpu_features.detect()
+    assert features.flags  # /proc/cpuinfo on Linux
+    assert features.summary()
