@@ -9,12 +9,13 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 RUN python -m venv /opt/kvpilot
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY scripts/constraints.txt scripts/
 COPY kvpilot/ kvpilot/
 COPY engine/ engine/
 COPY kernels/ kernels/
 COPY operator/ operator/
+COPY gateway/ gateway/
 COPY localcluster/ localcluster/
 RUN /opt/kvpilot/bin/pip install --no-cache-dir -c scripts/constraints.txt ".[engine,operator]" \
     && find /opt/kvpilot -name '__pycache__' -type d -prune -exec rm -rf {} +

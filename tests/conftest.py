@@ -8,6 +8,11 @@ kernel module is imported, which is why it is set here, at collection time.
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 if os.environ.get("KVPILOT_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -51,6 +56,58 @@ def cpu_without(monkeypatch):
     yield remove
     for loader in loaders:
         loader.cache_clear()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServeProcess:
+    proc: subprocess.Popen
+    url: str  # the OpenAI API
+    admin_port: int
+    log_path: Path
+
+
+@pytest.fixture
+def serve_process(tmp_path):
+    """``serve_process([python, "-m", "kvpilot"], [MODEL, flags...], env)``: `kvpilot serve` as a real
+    process on free ports of 127.0.0.1, returned once /health answers 200 (its log is in the
+    failure when it exits or never gets there); killed at the test's end if still running."""
+    import httpx
+
+    started: list[subprocess.Popen] = []
+
+    def start(kvpilot: list[str], args: list[str], env: dict[str, str] | None = None,
+              timeout: float = 180.0) -> ServeProcess:
+        port, admin_port = free_port(), free_port()
+        log_path = tmp_path / f"serve-{len(started)}.log"
+        command = [*kvpilot, "serve", *args, "--host", "127.0.0.1", "--port", str(port),
+                   "--admin-port", str(admin_port)]
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        started.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"kvpilot serve exited with {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return ServeProcess(proc, url, admin_port, log_path)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"kvpilot serve not healthy after {timeout}s:\n{log_path.read_text()}")
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="session")

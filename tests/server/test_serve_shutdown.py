@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -14,92 +12,61 @@ import time
 import httpx
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"kvpilot serve exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"kvpilot serve not healthy after {timeout}s:\n{log_path.read_text()}")
-
-
 API_KEY = "client-key-9f2c41d7e0b3a6c85d17"
 ADMIN_TOKEN = "admin-token-4b8e2a91c6f05d3e7a2b"
 
 
-def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_path):
-    port, admin_port = _free_port(), _free_port()
-    url = f"http://127.0.0.1:{port}"
+def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_path, serve_process):
     tuning = tmp_path / "tuning.json"
     tuning.write_text(json.dumps({"maxNumSeqs": 3}))
-    log_path = tmp_path / "serve.log"
     # The secrets come from the environment, as the operator's pods pass them (from Secrets).
     env = {**os.environ, "KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "KVPILOT_API_KEY": API_KEY,
            "KVPILOT_MAX_MODEL_LEN": "512", "KVPILOT_DEVICE": "cpu"}
-    command = [
-        sys.executable, "-m", "kvpilot", "serve", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--admin-port", str(admin_port), "--served-model-name", "tiny", "--max-num-seqs", "8",
+    server = serve_process([sys.executable, "-m", "kvpilot"], [
+        str(tiny_model_dir), "--served-model-name", "tiny", "--max-num-seqs", "8",
         "--shutdown-grace-period", "60", "--tuning-file", str(tuning), "--log-level", "debug",
-    ]  # fmt: skip
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    ], env)  # fmt: skip
+    proc, url, admin_port, log_path = server.proc, server.url, server.admin_port, server.log_path
     key = {"Authorization": f"Bearer {API_KEY}"}
-    try:
-        _wait_healthy(url, proc, log_path)
-        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-        scheduler = httpx.get(f"http://127.0.0.1:{admin_port}/admin/v1/scheduler", headers=admin)
-        assert scheduler.json()["max_num_seqs"] == 3  # the file won
-        assert httpx.get(f"{url}/v1/models").status_code == 401
-        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    scheduler = httpx.get(f"http://127.0.0.1:{admin_port}/admin/v1/scheduler", headers=admin)
+    assert scheduler.json()["max_num_seqs"] == 3  # the file won
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
-        events: list[str] = []
-        first_chunk = threading.Event()
+    events: list[str] = []
+    first_chunk = threading.Event()
 
-        def stream() -> None:
-            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=key, timeout=120) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data:"):
-                        events.append(line)
-                        first_chunk.set()
+    def stream() -> None:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=key, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line)
+                    first_chunk.set()
 
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert first_chunk.wait(60)
-        proc.send_signal(signal.SIGTERM)
-        events_at_signal = len(events)
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first_chunk.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    events_at_signal = len(events)
 
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{url}/health", timeout=5).status_code != 503:
-            assert time.monotonic() < deadline, "readiness did not fail after SIGTERM"
-            time.sleep(0.05)
-        assert httpx.get(f"{url}/health").json() == {"status": "draining"}
-        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=key)
-        assert refused.status_code == 503 and "Retry-After" in refused.headers
-        # No keep-alive to a server about to exit: a request sent on it later would be reset.
-        assert refused.headers["Connection"] == "close"
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, "readiness did not fail after SIGTERM"
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/health").json() == {"status": "draining"}
+    refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=key)
+    assert refused.status_code == 503 and "Retry-After" in refused.headers
+    # No keep-alive to a server about to exit: a request sent on it later would be reset.
+    assert refused.headers["Connection"] == "close"
 
-        reader.join(timeout=120)
-        assert proc.wait(timeout=60) == 0
-        # The in-flight request ran to its end after the signal instead of being cut off.
-        assert len(events) > events_at_signal + 1
-        assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    reader.join(timeout=120)
+    assert proc.wait(timeout=60) == 0
+    # The in-flight request ran to its end after the signal instead of being cut off.
+    assert len(events) > events_at_signal + 1
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
     logs = log_path.read_text()
     for expected in ("KV cache:", "listening on http://127.0.0.1", f"admin API on port {admin_port}",
                      "overrides the flags", "draining", "drained"):
