@@ -162,13 +162,16 @@ class LLMEngine:
             backend_name = "triton" if device == "cuda" else "torch"
 
         torch.manual_seed(config.seed)
+        started = time.perf_counter()
         model = load_model(config.model, _TORCH_DTYPES[dtype], torch.device(device), config.quantization)
         if device == "cpu":
             model.pack_weights_for_cpu(batch_size_hint=config.max_num_seqs)
         draft_model = None
         if config.speculative_config is not None and config.speculative_config.method == "draft_model":
             draft_model = _load_draft_model(config, arch, _TORCH_DTYPES[dtype], device, max_model_len)
+        weights_loaded = time.perf_counter()
         tokenizer = load_tokenizer(config.model)
+        tokenizer_loaded = time.perf_counter()
         runner = ModelRunner(
             model,
             device=torch.device(device),
@@ -214,9 +217,11 @@ class LLMEngine:
             kv_block_bytes=block_bytes,
         )
         logger.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d; weights loaded "
+            "in %.1f s, tokenizer in %.1f s, KV cache sized (profiling forward, warm-up) in %.1f s",
             arch.architecture, device, dtype, num_blocks, config.block_size,
-            num_blocks * block_bytes / 1024**2, max_model_len,
+            num_blocks * block_bytes / 1024**2, max_model_len, weights_loaded - started,
+            tokenizer_loaded - weights_loaded, time.perf_counter() - tokenizer_loaded,
         )
         return cls(config, resolved, arch, tokenizer, runner, draft_model)
 

@@ -47,7 +47,13 @@ def register(subparsers) -> None:
         "print the folder holding the built binaries (etcd, kube-*, kubectl, helm)",
         False,
     )
-    add("up", _up, "start the cluster (reports it if already running) and wait until nodes are Ready")
+    up = add("up", _up, "start the cluster (reports it if already running) and wait until nodes are Ready")
+    up.add_argument(
+        "--containers", choices=("process", "podman"), default="process",
+        help="how the kubelet runs a container: its command as a host process from this virtualenv "
+        "(process, the default), or with podman from the image the pod names (podman: image mode; "
+        "scripts/build-image.sh builds kvpilot's image and sets podman up)",
+    )  # fmt: skip
     add("down", _down, "stop exactly the processes `up` started, and their pods")
     add("status", _status, "report each component as running, crashed or stopped")
     add("kubeconfig", _kubeconfig, "print the admin kubeconfig's path")
@@ -108,7 +114,7 @@ def _up(args) -> int:
 
     cluster = _cluster(args)
     try:
-        result = cluster.up()
+        result = cluster.up(containers=args.containers)
     except (ClusterError, BuildError) as exc:
         print(f"kvpilot local-cluster up: {exc}", file=sys.stderr)
         return 1
@@ -117,7 +123,8 @@ def _up(args) -> int:
         print(f"already running: {summary['server']} (state in {summary['state_dir']})")
     else:
         print(
-            f"cluster up in {result.seconds:.1f}s: {summary['server']}, nodes {', '.join(summary['nodes'])}"
+            f"cluster up in {result.seconds:.1f}s: {summary['server']}, nodes {', '.join(summary['nodes'])}, "
+            f"containers run as {'podman containers' if result.record.containers == 'podman' else 'host processes'}"
         )
     print(f"export KUBECONFIG={summary['kubeconfig']}")
     print(f"export PATH={summary['bin_dir']}:$PATH   # kubectl and helm")

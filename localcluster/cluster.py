@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TextIO
 
-from kvpilot.localcluster import build, components, processes
+from kvpilot.localcluster import build, components, podman, processes
 from kvpilot.localcluster.api import ApiError, KubeApi
 from kvpilot.localcluster.kubeconfig import write_kubeconfig
 from kvpilot.localcluster.nodes import NODE_NAMES
@@ -23,6 +23,7 @@ from kvpilot.localcluster.pki import ensure_pki
 from kvpilot.localcluster.state import ClusterRecord, ProcessRecord, StateDir
 
 PORT_ATTEMPTS = 4
+CONTAINER_MODES = ("process", "podman")
 READY_TIMEOUT_S = 120.0
 COMPONENT_STOP_S = 15.0  # SIGTERM's grace: the API server drains its requests, etcd closes its store
 
@@ -125,12 +126,21 @@ class LocalCluster:
         record = self.state.read_record()
         return None if record is None else component_statuses(record, self.state)
 
-    def up(self, bin_dir: Path | None = None) -> UpResult:
+    def up(self, bin_dir: Path | None = None, containers: str = "process") -> UpResult:
+        """Starts the cluster; ``containers`` says how its kubelet runs containers: "process" (their
+        commands on the host) or "podman" (from their images, podman.py)."""
+        if containers not in CONTAINER_MODES:
+            raise ClusterError(f"--containers must be one of {', '.join(CONTAINER_MODES)}, not {containers!r}")
         started = time.monotonic()
         record = self.state.read_record()
         if record is not None:
             statuses = component_statuses(record, self.state)
             down = [f"{s.name} ({s.health.value})" for s in statuses if s.health is not Health.RUNNING]
+            if not down and record.containers != containers:
+                raise ClusterError(
+                    f"the cluster in {self.state.root} runs with --containers {record.containers}; "
+                    f"run `kvpilot local-cluster down` first to start it with --containers {containers}"
+                )
             if not down:
                 return UpResult(record, already_running=True, seconds=0.0)
             if any(s.health is Health.RUNNING for s in statuses):
@@ -140,6 +150,11 @@ class LocalCluster:
                 )
             self.down()  # the control plane of a previous run is gone; stray pod processes go too
 
+        if containers == "podman":
+            try:
+                podman.check()
+            except podman.PodmanUnavailable as exc:
+                raise ClusterError(f"--containers podman: {exc}") from None
         bin_dir = bin_dir or build.bin_dir()
         missing = build.missing_binaries(bin_dir)
         if missing:
@@ -153,7 +168,8 @@ class LocalCluster:
             shutil.rmtree(ephemeral, ignore_errors=True)
         self.state.pod_pids.unlink(missing_ok=True)
 
-        record = ClusterRecord(bin_dir=str(bin_dir), ports={}, pod_ip_block=random.randint(1, 200))
+        record = ClusterRecord(bin_dir=str(bin_dir), ports={}, pod_ip_block=random.randint(1, 200),
+                               containers=containers)
         try:
             for name in components.ORDER:
                 self._start(name, record, bin_dir)
@@ -328,6 +344,8 @@ class LocalCluster:
                 stopped.append(process.name)
         for pid, start_time in read_pod_pids(self.state):
             processes.stop(pid, start_time, timeout=2.0)  # only left if the kubelet was killed
+        if record.containers == "podman":
+            podman.remove_cluster_containers(self.state.root)  # likewise
         self.state.pod_pids.unlink(missing_ok=True)
         self.state.clear_record()
         return stopped

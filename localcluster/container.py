@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpilot.localcluster import podman
 from kvpilot.localcluster.nodes import now_rfc3339
 from kvpilot.localcluster.probes import ProbeState, new_probe_state, run_probe
 
@@ -40,6 +41,9 @@ class ContainerRun:
     liveness: ProbeState | None = None
     startup: ProbeState | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # Image mode (podman.py): the process is `podman run`, and this names its container.
+    podman: str | None = None
+    container: str | None = None
 
     @property
     def name(self) -> str:
@@ -57,8 +61,9 @@ class ContainerRun:
     def ready(self) -> bool:
         return self.started and (self.readiness is None or self.readiness.result)
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: Path) -> None:
-        """Runs ``argv``; a command that cannot run raises RunCommandError."""
+    def start(self, argv: list[str], env: dict[str, str], cwd: Path, container: str | None = None) -> None:
+        """Runs ``argv`` (``podman run ... --name container`` in image mode); a command that cannot run
+        raises RunCommandError."""
         if not argv:
             raise RunCommandError(
                 "the container sets no command: the local kubelet ignores images, "
@@ -86,6 +91,7 @@ class ContainerRun:
             except OSError as exc:
                 raise RunCommandError(f"exec: {argv[0]}: {exc.strerror or exc}") from exc
         self.env = env
+        self.container = container
         self.started_at = now_rfc3339()
         self.started_monotonic = time.monotonic()
         self.waiting = None
@@ -123,7 +129,13 @@ class ContainerRun:
 
     @property
     def container_id(self) -> str:
+        if self.container:
+            return f"podman://{self.container}"
         return f"kvpilot://{self.process.pid}" if self.process else ""
+
+    @property
+    def exec_prefix(self) -> tuple[str, ...]:
+        return (self.podman, "exec", self.container) if self.podman and self.container else ()
 
     def prepare_restart(self) -> None:
         """After an exit under a restarting policy: back off, then start again."""
@@ -153,7 +165,7 @@ class ContainerRun:
         failed: list[str] = []
         if self.startup is not None and not self.startup.result:
             if self.startup.due(now):
-                ok, message = run_probe(self.startup.probe, self.spec, pod_ip, self.env)
+                ok, message = run_probe(self.startup.probe, self.spec, pod_ip, self.env, self.exec_prefix)
                 self.startup.record(ok, message, now)
                 if not ok:
                     failed.append(f"Startup probe failed: {message}")
@@ -161,14 +173,14 @@ class ContainerRun:
                         return f"startup probe failed: {message}", failed
             return None, failed
         if self.liveness is not None and self.liveness.due(now):
-            ok, message = run_probe(self.liveness.probe, self.spec, pod_ip, self.env)
+            ok, message = run_probe(self.liveness.probe, self.spec, pod_ip, self.env, self.exec_prefix)
             self.liveness.record(ok, message, now)
             if not ok:
                 failed.append(f"Liveness probe failed: {message}")
             if not self.liveness.result:
                 return f"liveness probe failed: {message}", failed
         if self.readiness is not None and self.readiness.due(now):
-            ok, message = run_probe(self.readiness.probe, self.spec, pod_ip, self.env)
+            ok, message = run_probe(self.readiness.probe, self.spec, pod_ip, self.env, self.exec_prefix)
             self.readiness.record(ok, message, now)
             if not ok:
                 failed.append(f"Readiness probe failed: {message}")
@@ -182,12 +194,15 @@ class ContainerRun:
                 pass
 
     def kill_group(self) -> None:
-        """SIGKILLs whatever is left of the process group, leader gone or not."""
+        """SIGKILLs whatever is left of the process group, leader gone or not, and in image mode the
+        container (it outlives a killed `podman run`)."""
         if self.process is not None:
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if self.podman and self.container:
+            podman.remove(self.podman, self.container)
 
     def stop(self, grace_s: float, reason: str | None = None) -> None:
         """SIGTERM, SIGKILL after ``grace_s``; records the exit."""

@@ -1,4 +1,5 @@
-"""The local kubelet stand-in: runs the pods bound to the fake GPU nodes as local processes.
+"""The local kubelet stand-in: runs the pods bound to the fake GPU nodes, each container as a local
+process (process mode) or with podman from its image (image mode, podman.py).
 
 Started by `kvpilot local-cluster up` as ``python -m kvpilot.localcluster.kubelet``.
 It registers the nodes and keeps them Ready (Leases + status heartbeats),
@@ -19,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvpilot.localcluster import processes
+from kvpilot.localcluster import podman, processes
 from kvpilot.localcluster.api import KubeApi
 from kvpilot.localcluster.hostports import HostPorts
 from kvpilot.localcluster.logserver import serve_logs
@@ -68,6 +69,8 @@ class Kubelet:
         self.apiserver_port = record.ports["apiserver"]
         self.api = KubeApi(record.apiserver_url, state.pki)
         self.ips = PodIPs(record.pod_ip_block)
+        # Image mode: the podman executable every container runs with (checked at start).
+        self.podman: str | None = podman.check() if record.containers == "podman" else None
         self.host_ports = HostPorts()
         self.workers: dict[str, PodWorker] = {}
         self.finished: set[str] = set()  # uids run to completion here: never start them again

@@ -137,17 +137,19 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 
 def container_env(ctx: PodContext, container: dict, volume_dirs: dict[str, Path],
-                  kubeconfig: Path | None) -> dict[str, str]:  # fmt: skip
+                  kubeconfig: Path | None, *, host_process: bool = True) -> dict[str, str]:  # fmt: skip
+    """The container's environment. A host process (process mode) also gets the host's base and the
+    stand-ins for what it cannot see (PATH to this Python, KUBECONFIG, KVPILOT_VOLUME_*); a container
+    run from its image (podman.py) gets what a kubelet sets and the image's own."""
     meta = ctx.pod["metadata"]
-    python_bin = str(Path(sys.executable).parent)
-    env = {
-        "PATH": python_bin + os.pathsep + os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-        "HOSTNAME": meta["name"],
-    }
-    for name in BASE_ENV_NAMES:
-        if name in os.environ:
-            env[name] = os.environ[name]
-    env.update({k: v for k, v in os.environ.items() if k.startswith("KVPILOT_")})
+    env = {"HOSTNAME": meta["name"]}
+    if host_process:
+        python_bin = str(Path(sys.executable).parent)
+        env["PATH"] = python_bin + os.pathsep + os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+        for name in BASE_ENV_NAMES:
+            if name in os.environ:
+                env[name] = os.environ[name]
+        env.update({k: v for k, v in os.environ.items() if k.startswith("KVPILOT_")})
     env.update(
         {
             "KUBERNETES_SERVICE_HOST": "127.0.0.1",
@@ -159,10 +161,11 @@ def container_env(ctx: PodContext, container: dict, volume_dirs: dict[str, Path]
             "KVPILOT_POD_NAMESPACE": meta["namespace"],
         }
     )
-    if kubeconfig is not None:
-        env["KUBECONFIG"] = str(kubeconfig)
-    for volume, folder in volume_dirs.items():
-        env[volume_env_name(volume)] = str(folder)
+    if host_process:
+        if kubeconfig is not None:
+            env["KUBECONFIG"] = str(kubeconfig)
+        for volume, folder in volume_dirs.items():
+            env[volume_env_name(volume)] = str(folder)
 
     for source in container.get("envFrom") or []:
         prefix = source.get("prefix", "")
@@ -288,12 +291,13 @@ def materialize_volumes(ctx: PodContext) -> tuple[dict[str, Path], Path | None]:
                 )
         elif "downwardAPI" in volume:
             _downward(ctx, folder, volume["downwardAPI"].get("items") or [])
-        # emptyDir and anything else: the empty folder is the volume.
+        else:  # emptyDir and anything else: the empty folder is the volume, writable by any user
+            folder.chmod(0o777)
     return dirs, kubeconfig
 
 
-def mount_map(container: dict, volume_dirs: dict[str, Path]) -> list[tuple[str, str]]:
-    """(mountPath, host path) for the container's mounts, longest mountPath first."""
+def volume_mounts(container: dict, volume_dirs: dict[str, Path]) -> list[tuple[str, str, bool]]:
+    """(mountPath, host path, read-only) for the container's mounts, longest mountPath first."""
     mounts = []
     for mount in container.get("volumeMounts") or []:
         host = volume_dirs.get(mount["name"])
@@ -303,16 +307,22 @@ def mount_map(container: dict, volume_dirs: dict[str, Path]) -> list[tuple[str, 
             )
         if mount.get("subPath"):
             host = host / mount["subPath"]
-        mounts.append((mount["mountPath"].rstrip("/") or "/", str(host)))
+        mounts.append((mount["mountPath"].rstrip("/") or "/", str(host), bool(mount.get("readOnly"))))
     return sorted(mounts, key=lambda m: len(m[0]), reverse=True)
 
 
+def mount_map(container: dict, volume_dirs: dict[str, Path]) -> list[tuple[str, str]]:
+    """(mountPath, host path) for the container's mounts, longest mountPath first."""
+    return [(path, host) for path, host, _ in volume_mounts(container, volume_dirs)]
+
+
 def rewrite_paths(text: str, mounts: list[tuple[str, str]]) -> str:
-    """Maps a mountPath at the start of ``text`` or after '=' onto its host folder."""
+    """Maps a mountPath at the start of ``text``, after '=' or inside a JSON string (an argument like
+    ``--speculative-config {"model": "/mnt/draft-model"}``) onto its host folder."""
     if not mounts:
         return text
     # One pass, longest mountPath first: a path already rewritten (e.g. a hostPath under /tmp)
     # must not be rewritten again by a shorter mount (an emptyDir at /tmp).
     hosts = dict(mounts)
-    pattern = re.compile(r"(^|=)(" + "|".join(re.escape(p) for p, _ in mounts) + r")(?=/|$)")
+    pattern = re.compile(r"(^|=|\")(" + "|".join(re.escape(p) for p, _ in mounts) + r")(?=/|$|\")")
     return pattern.sub(lambda m: m.group(1) + hosts[m.group(2)], text)

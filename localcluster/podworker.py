@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.localcluster import podman
 from kvpilot.localcluster.api import ApiError
 from kvpilot.localcluster.container import ContainerRun, RunCommandError
 from kvpilot.localcluster.events import PodEvents
@@ -20,6 +22,7 @@ from kvpilot.localcluster.podenv import (
     materialize_volumes,
     mount_map,
     rewrite_paths,
+    volume_mounts,
 )
 
 if TYPE_CHECKING:
@@ -183,6 +186,9 @@ class PodWorker(threading.Thread):
         return self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and exit_code != 0)
 
     def _start(self, pod: dict, run: ContainerRun) -> None:
+        if self.kubelet.podman is not None:
+            self._start_from_image(pod, run, self.kubelet.podman)
+            return
         assert self.volume_dirs is not None
         try:
             env = container_env(self._context(pod), run.spec, self.volume_dirs, self.kubeconfig)
@@ -215,6 +221,39 @@ class PodWorker(threading.Thread):
             self.events.emit(pod, run.name, "Warning", "Failed", f"Error: {exc}")
         except RunCommandError as exc:
             run.fail_to_start("RunCommandError", str(exc))
+            self.events.emit(pod, run.name, "Warning", "Failed", f"Error: {exc}")
+            log.info("pod %s container %s: %s", pod_key(pod), run.name, exc)
+
+    def _start_from_image(self, pod: dict, run: ContainerRun, podman_path: str) -> None:
+        """Image mode: the container runs with podman from its image (podman.py)."""
+        assert self.volume_dirs is not None
+        image = run.spec.get("image") or ""
+        try:
+            if not podman.image_present(podman_path, image):
+                message = podman.missing_image_message(image)
+                run.fail_to_start("ErrImageNeverPull", message)
+                self.events.emit(pod, run.name, "Warning", "ErrImageNeverPull", message)
+                return
+            env = container_env(self._context(pod), run.spec, self.volume_dirs, None, host_process=False)
+            name = podman.container_name(pod, run.name, run.restart_count)
+            podman.remove(podman_path, name)  # one left by a kubelet that died
+            argv = podman.run_command(
+                podman_path, name, self.kubelet.state.root, pod, run.spec, env,
+                volume_mounts(run.spec, self.volume_dirs),
+                [expand(a, env) for a in run.spec.get("command") or []],
+                [expand(a, env) for a in run.spec.get("args") or []],
+            )  # fmt: skip
+            run.podman = podman_path
+            run.start(argv, podman.run_env(env), self.folder, container=name)
+            self.kubelet.track_pid(run.process)
+            self.events.emit(pod, run.name, "Normal", "Started", f"Started container {run.name} from {image}")
+            log.info("pod %s container %s: started %s from %s on %s", pod_key(pod), run.name, name, image,
+                     self.pod_ip)
+        except (ContainerConfigError, ApiError) as exc:
+            run.fail_to_start("CreateContainerConfigError", str(exc))
+            self.events.emit(pod, run.name, "Warning", "Failed", f"Error: {exc}")
+        except (RunCommandError, OSError, subprocess.SubprocessError) as exc:
+            run.fail_to_start("RunContainerError", str(exc))
             self.events.emit(pod, run.name, "Warning", "Failed", f"Error: {exc}")
             log.info("pod %s container %s: %s", pod_key(pod), run.name, exc)
 

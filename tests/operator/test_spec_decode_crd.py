@@ -69,11 +69,11 @@ DRAFT_CASES = {
         {"persistentVolumeClaim": {"claimName": "drafts", "readOnly": True}},
     ),
     "file, a gguf file": (
-        "file:///data/smollm2", {"uri": "file:///data/drafts/smollm2-q4.gguf"}, "/data/drafts/smollm2-q4.gguf",
+        "file:///data/smollm2", {"uri": "file:///data/drafts/smollm2-q4.gguf"}, "/mnt/draft-model/smollm2-q4.gguf",
         {"hostPath": {"path": "/data/drafts/smollm2-q4.gguf", "type": "File"}},
     ),
     "file, a folder": (
-        "pvc://models/smollm2", {"uri": "file:///data/draft/"}, "/data/draft",
+        "pvc://models/smollm2", {"uri": "file:///data/draft/"}, "/mnt/draft-model",
         {"hostPath": {"path": "/data/draft", "type": "Directory"}},
     ),
     "hf": (
@@ -147,8 +147,8 @@ def test_the_targets_own_file_as_draft_is_mounted_once():
                    "file:///data/smollm2.gguf")
     (container,) = pod["containers"]
     assert [v["name"] for v in pod["volumes"] if "hostPath" in v] == ["model"]
-    assert [m["mountPath"] for m in container["volumeMounts"]].count("/data/smollm2.gguf") == 1
-    assert rendered_json(container["args"])["model"] == "/data/smollm2.gguf"
+    assert [m["mountPath"] for m in container["volumeMounts"]].count("/mnt/models/smollm2.gguf") == 1
+    assert rendered_json(container["args"])["model"] == "/mnt/models/smollm2.gguf"
 
 
 def test_engine_config_takes_a_draft_path_only_with_a_draft():
