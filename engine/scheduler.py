@@ -12,7 +12,9 @@ Per step: running sequences first (oldest first), then waiting ones (first
 come, first served), within a budget of ``max_num_batched_tokens`` tokens and
 at most ``max_num_seqs`` running. When the KV cache has no room, the newest
 running sequence is preempted: its blocks are freed and it waits, first in
-line, to be recomputed.
+line, to be recomputed. A lowered ``max_num_seqs`` takes effect the same way,
+in the next step: the newest running sequences above it are preempted (the
+prefix cache keeps their full blocks, so re-admission recomputes little).
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest admission first
         self._by_id: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # for want of KV blocks (not those that obey a lowered max_num_seqs)
 
     def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
-        """Change the batch limits; the next step obeys them. Running sequences above a lowered
-        max_num_seqs finish normally, and no new one is admitted until the count is below it."""
+        """Change the batch limits; the next step obeys them: running sequences above a lowered
+        max_num_seqs are preempted there, newest first."""
         seqs = self.limits.max_num_seqs if max_num_seqs is None else max_num_seqs
         tokens = self.limits.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         for name, value in (("max_num_seqs", seqs), ("max_num_batched_tokens", tokens)):
@@ -114,6 +116,10 @@ class Scheduler:
         scheduled: list[Request] = []
         num_tokens: list[int] = []
         preempted: list[Request] = []
+        while len(self.running) > self.limits.max_num_seqs:  # max_num_seqs was lowered
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -123,6 +129,7 @@ class Scheduler:
             while kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()  # newest; never one already scheduled (those sit before index)
                 self._preempt(victim)
+                self.num_preemptions += 1
                 preempted.append(victim)
                 if victim is request:
                     break
@@ -194,4 +201,3 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()  # proposals were made for the KV just dropped
         self.waiting.appendleft(request)
-        self.num_preemptions += 1

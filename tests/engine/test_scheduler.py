@@ -123,17 +123,22 @@ def test_a_request_preempts_itself_when_it_is_the_newest():
     assert only.status is RequestStatus.PREEMPTED
 
 
-def test_lowering_max_num_seqs_live_drains_without_preempting():
-    scheduler = make_scheduler(max_num_seqs=4)
-    for i in range(6):
-        add(scheduler, f"r{i}", 2)
+def test_lowering_max_num_seqs_live_preempts_the_newest_in_the_next_step():
+    scheduler = make_scheduler(max_num_seqs=4, caching=True)
+    requests = [add(scheduler, f"r{i}", 6, first_token=10 * i) for i in range(6)]
     step(scheduler)
     assert scheduler.num_running == 4
     scheduler.set_limits(max_num_seqs=2)
-    out = step(scheduler, max_output=2)
-    assert len(out.requests) == 4 and not out.preempted  # running ones keep going
     out = step(scheduler)
-    assert scheduled(out) == {"r4": 2, "r5": 2}  # all four finished; two admitted under the new limit
+    assert out.preempted == [requests[3], requests[2]]  # newest first
+    assert scheduled(out) == {"r0": 1, "r1": 1}  # the batch obeys the new limit at once
+    assert [r.request_id for r in scheduler.waiting] == ["r2", "r3", "r4", "r5"]  # first in line again
+    assert scheduler.num_preemptions == 0  # not the KV cache's pressure
+    scheduler.finish_requests(requests[:2], RequestStatus.FINISHED_LENGTH)
+    out = step(scheduler)
+    # Re-admitted with their full prompt block from the prefix cache: only the rest is recomputed.
+    assert scheduled(out) == {"r2": 3, "r3": 3}
+    assert requests[2].num_computed_tokens == 7
     scheduler.set_limits(max_num_batched_tokens=3)
     add(scheduler, "big", 10)
     out = step(scheduler)
