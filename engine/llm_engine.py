@@ -42,6 +42,7 @@ from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.spec_decode.draft_proposer import DraftModelProposer
 from kvpilot.engine.spec_decode.ngram_proposer import NgramProposer
 from kvpilot.engine.spec_decode.speculator import SpecDecodeStats, Speculator
+from kvpilot.engine.step_cost import StepCost, StepCostSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class EngineStats:
     kv_tokens_stored_sum: int = 0
     kv_slots_held_sum: int = 0
     step_seconds_total: float = 0.0  # wall time inside step()
+    step_cost: StepCostSnapshot | None = None  # steps that ran a forward, by composition
     forward_seconds_total: float = 0.0  # of which: model forward and LM head
     num_speculative_tokens: int | None = None  # current k; None without speculative decoding
     spec_decode: SpecDecodeStats | None = None  # None without speculative decoding
@@ -145,6 +147,7 @@ class LLMEngine:
         self._kv_tokens_stored_sum = 0
         self._kv_slots_held_sum = 0
         self._step_seconds_total = 0.0
+        self._step_cost = StepCost()
         trace_path = os.environ.get(STEP_TRACE_ENV)
         self._step_trace = open(trace_path, "a", buffering=1, encoding="utf-8") if trace_path else None
 
@@ -408,12 +411,13 @@ class LLMEngine:
             outputs.append(self._make_output(state))
         elapsed = time.perf_counter() - start
         self._step_seconds_total += elapsed
+        decode_rows = sum(1 for n in step.num_scheduled_tokens if n == 1)
+        self._step_cost.observe(decode_rows, step.total_num_scheduled_tokens - decode_rows, elapsed)
         if self._step_trace is not None:
-            self._write_step_trace(step, start, elapsed, forward_before)
+            self._write_step_trace(step, start, elapsed, forward_before, decode_rows)
         return outputs
 
-    def _write_step_trace(self, step, start: float, elapsed: float, forward_before: float) -> None:
-        decode_rows = sum(1 for n in step.num_scheduled_tokens if n == 1)
+    def _write_step_trace(self, step, start: float, elapsed: float, forward_before: float, decode_rows: int) -> None:
         record = {
             "t": round(start, 6),
             "seconds": round(elapsed, 6),
@@ -448,6 +452,7 @@ class LLMEngine:
             kv_tokens_stored_sum=self._kv_tokens_stored_sum,
             kv_slots_held_sum=self._kv_slots_held_sum,
             step_seconds_total=self._step_seconds_total,
+            step_cost=self._step_cost.snapshot(),
             forward_seconds_total=self.runner.forward_seconds,
             num_speculative_tokens=None if self.speculator is None else self.speculator.num_speculative_tokens,
             spec_decode=None if self.speculator is None else self.speculator.stats(),

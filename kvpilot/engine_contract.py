@@ -96,6 +96,17 @@ INTER_TOKEN_LATENCY = "kvpilot_inter_token_latency_seconds"
 E2E_REQUEST_LATENCY = "kvpilot_e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME = "kvpilot_request_queue_time_seconds"
 
+# The engine's cost curve (engine/step_cost.py): sums over steps of the terms a least-squares fit of
+# step seconds on decode rows and prefill tokens needs, one sample per term (label TERM_LABEL); and
+# step durations by kind (label STEP_KIND_LABEL), on INTER_TOKEN_LATENCY_BUCKETS.
+STEP_COST_SUMS = "kvpilot_step_cost_sums_total"
+STEP_COST_TERMS = ("steps", "rows", "prefill", "seconds", "rows_rows", "rows_prefill", "prefill_prefill",
+                   "rows_seconds", "prefill_seconds", "seconds_seconds")
+TERM_LABEL = "term"
+STEP_DURATION = "kvpilot_step_duration_seconds"
+STEP_KINDS = ("decode", "prefill")  # decode rows only; carrying prefill tokens (with or without decodes)
+STEP_KIND_LABEL = "step_kind"
+
 FINISH_REASON_LABEL = "finish_reason"
 MODEL_NAME_LABEL = "model_name"
 

@@ -10,12 +10,13 @@ a ``model_name`` label, as vLLM's do, so ported dashboards can filter on it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpilot import engine_contract as names
@@ -107,8 +108,32 @@ class EngineStatsCollector(Collector):
             "Running sequences summed over steps (divide by steps for the mean batch size).",
             stats.step_running_seqs_total,
         )
+        if stats.step_cost is not None:
+            yield from self._step_cost(stats.step_cost)
         if stats.spec_decode is not None:
             yield from self._spec_decode(stats, gauge, counter)
+
+    def _step_cost(self, cost: Any) -> Iterator[Metric]:
+        """The engine's cost curve (engine/step_cost.py)."""
+        sums = CounterMetricFamily(
+            names.counter_base_name(names.STEP_COST_SUMS),
+            "Sums over engine steps for a least-squares fit of step seconds on decode rows and prefill tokens "
+            "(term: steps, rows, prefill, seconds, and their squares and products).",
+            labels=[names.MODEL_NAME_LABEL, names.TERM_LABEL],
+        )
+        for term in names.STEP_COST_TERMS:
+            sums.add_metric([self._model_name, term], cost.sums[term])
+        yield sums
+        durations = HistogramMetricFamily(
+            names.STEP_DURATION,
+            "Engine step durations by kind: decode (decode rows only) or prefill (carrying prefill tokens).",
+            labels=[names.MODEL_NAME_LABEL, names.STEP_KIND_LABEL],
+        )
+        bounds = [str(b) for b in names.INTER_TOKEN_LATENCY_BUCKETS] + ["+Inf"]
+        for kind in names.STEP_KINDS:
+            cumulative = list(itertools.accumulate(cost.bucket_counts[kind]))
+            durations.add_metric([self._model_name, kind], list(zip(bounds, cumulative)), cost.seconds[kind])
+        yield durations
 
     def _spec_decode(self, stats: Any, gauge: Callable, counter: Callable) -> Iterator[Metric]:
         """Speculative decoding, only when the engine runs it (vLLM's vllm:spec_decode_* counters)."""

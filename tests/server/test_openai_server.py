@@ -36,13 +36,14 @@ def http(live):
 
 
 def metric_values(text: str) -> dict[str, float]:
-    """Sample name (plus finish_reason label when present) -> value."""
+    """Sample name (plus its finish_reason, term or step_kind label when present) -> value."""
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = sample.name
-            if names.FINISH_REASON_LABEL in sample.labels:
-                key += f"{{{sample.labels[names.FINISH_REASON_LABEL]}}}"
+            for label in (names.FINISH_REASON_LABEL, names.TERM_LABEL, names.STEP_KIND_LABEL):
+                if label in sample.labels:
+                    key += f"{{{sample.labels[label]}}}"
             values[key] = sample.value
     return values
 
@@ -302,6 +303,14 @@ def test_metrics_follow_the_traffic(client, live, http):
     assert after[names.MAX_NUM_SEQS] == 8
     assert after[names.MODEL_INFO] == 1
     assert delta(names.ENGINE_STEPS) >= max(u.completion_tokens for u in usages)
+    # The cost curve's sums cover every step: each token after a request's first came from a decode row.
+    cost = names.STEP_COST_SUMS
+    assert delta(f"{cost}{{steps}}") == delta(names.ENGINE_STEPS)
+    assert delta(f"{cost}{{rows}}") == sum(u.completion_tokens - 1 for u in usages)
+    assert 0 < delta(f"{cost}{{prefill}}") <= sum(u.prompt_tokens for u in usages)
+    assert delta(f"{cost}{{seconds}}") > 0 and delta(f"{cost}{{rows_rows}}") >= delta(f"{cost}{{rows}}")
+    kinds = [delta(f"{names.STEP_DURATION}_count{{{kind}}}") for kind in names.STEP_KINDS]
+    assert sum(kinds) == delta(names.ENGINE_STEPS) and all(kinds)
 
 
 def test_health_and_metrics_content_type(http):
