@@ -49,6 +49,17 @@ HISTOGRAMS = (
     names.E2E_REQUEST_LATENCY,
     names.REQUEST_QUEUE_TIME,
 )
+# Families read per label value (the engine's cost curve), by the parser's family name: the exposed
+# name and the label; their series are kept as "exposed{value}".
+LABELLED = {
+    names.counter_base_name(names.STEP_COST_SUMS): (names.STEP_COST_SUMS, names.TERM_LABEL),
+    names.STEP_DURATION: (names.STEP_DURATION, names.STEP_KIND_LABEL),
+}
+
+
+def labelled(name: str, value: str) -> str:
+    """The key of one label value of a LABELLED family in a snapshot."""
+    return f"{name}{{{value}}}"
 
 
 @dataclass(frozen=True)
@@ -142,6 +153,15 @@ def parse_snapshot(text: str, scraped_at: float) -> Snapshot:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, value = sample.name, float(sample.value)
+            if family.name in LABELLED:
+                # One series per label value (not one summed over them), named by it.
+                exposed, label = LABELLED[family.name]
+                key = labelled(exposed, sample.labels.get(label, ""))
+                if exposed == names.STEP_COST_SUMS:
+                    counters[key] = counters.get(key, 0.0) + value
+                    continue
+                name = key + name[len(family.name):]  # "..._bucket", "..._sum"
+                bucket_names[f"{key}_bucket"], sum_names[f"{key}_sum"] = key, key
             if name in wanted_gauges:
                 gauges[name] = gauges.get(name, 0.0) + value
             elif name in wanted_counters:
@@ -273,6 +293,14 @@ class Observation:
     max_num_batched_tokens: int | None
     gpu_memory_utilization: float | None
     ttft_queue_share: float | None = None
+    # The engine's cost curve over the window (operator/step_cost.py fits it; None from engines that
+    # do not export it) and its steps' durations by kind.
+    step_cost_sums: Mapping[str, float] | None = None
+    decode_step_mean: float | None = None
+    decode_step_p99: float | None = None
+    prefill_step_p99: float | None = None
+    prefill_step_share: float | None = None  # of the steps, those carrying prefill tokens
+    prefill_tokens_per_prefill_step: float | None = None
 
     @property
     def ttft_from_queueing(self) -> bool:
@@ -292,6 +320,11 @@ def observe(delta: WindowDelta) -> Observation:
         return None if hist is None else hist.quantile(q)
 
     steps = counters.get(names.ENGINE_STEPS, 0.0)
+    cost = {term: counters[labelled(names.STEP_COST_SUMS, term)] for term in names.STEP_COST_TERMS
+            if labelled(names.STEP_COST_SUMS, term) in counters}
+    decode_steps = hists.get(labelled(names.STEP_DURATION, "decode"))
+    prefill_steps = hists.get(labelled(names.STEP_DURATION, "prefill"))
+    kind_steps = (decode_steps.count if decode_steps else 0.0) + (prefill_steps.count if prefill_steps else 0.0)
     queries = counters.get(names.PREFIX_CACHE_QUERIES, 0.0)
     finished = counters.get(names.REQUEST_SUCCESS, 0.0)
     generated = counters.get(names.GENERATION_TOKENS, 0.0)
@@ -332,6 +365,13 @@ def observe(delta: WindowDelta) -> Observation:
         gpu_memory_utilization=settings.get(names.GPU_MEMORY_UTILIZATION),
         ttft_queue_share=min(max(queue.total / ttft.total, 0.0), 1.0)
         if ttft is not None and queue is not None and ttft.total > 0 else None,
+        step_cost_sums=cost if len(cost) == len(names.STEP_COST_TERMS) else None,
+        decode_step_mean=decode_steps.total / decode_steps.count if decode_steps and decode_steps.count > 0 else None,
+        decode_step_p99=decode_steps.quantile(0.99) if decode_steps else None,
+        prefill_step_p99=prefill_steps.quantile(0.99) if prefill_steps else None,
+        prefill_step_share=prefill_steps.count / kind_steps if prefill_steps and kind_steps > 0 else None,
+        prefill_tokens_per_prefill_step=cost.get("prefill", 0.0) / prefill_steps.count
+        if prefill_steps and prefill_steps.count > 0 else None,
     )
 
 

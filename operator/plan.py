@@ -97,6 +97,9 @@ def plan(reading: Reading, memory: Memory, *, interval: float, scale_down_stabil
     if spec.tuning is not None and spec.tuning.enabled:
         oom_kills, restarts_seen = count_new_oom_kills(reading.pods, memory.restarts_seen)
         decision = tune(observation, reading.in_effect, spec.tuning, memory.tuning, now, oom_kills, config)
+        last_unreachable = memory.tuning.unreachable_at
+        if decision.slo_unreachable and (last_unreachable is None or now - last_unreachable > 1.5 * interval):
+            events.append(Event("Warning", "SLOUnreachable", decision.reason))
         memory = Memory(decision.history, memory.scaling, restarts_seen, unreachable)
         report["tuning"] = status.tuning_status(decision, now)
     live = decision.settings if decision is not None else reading.in_effect

@@ -441,6 +441,24 @@ class MaxNumSeqsBounds(SpecModel):
         return int(min(max(math.floor(value), self.min), self.max))
 
 
+class BatchedTokensBounds(SpecModel):
+    """Bounds the tuner keeps engine.maxNumBatchedTokens within."""
+
+    min: int = Field(ge=1, le=MAX_TOKENS, description="Smallest maxNumBatchedTokens the tuner may set.")
+    max: int = Field(ge=1, le=MAX_TOKENS, description="Largest maxNumBatchedTokens the tuner may set.")
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.min <= self.max",
+            message="tuning.maxNumBatchedTokens.min must be at most tuning.maxNumBatchedTokens.max",
+            check=lambda b: b.min <= b.max,
+            field_path=".min",
+        ),
+    )
+
+    def clamp(self, value: float) -> int:
+        return int(min(max(math.floor(value), self.min), self.max))
+
+
 class MemoryFractionBounds(SpecModel):
     """Bounds the tuner keeps engine.gpuMemoryUtilization within."""
 
@@ -470,8 +488,8 @@ class Slo(SpecModel):
 
 
 class Tuning(SpecModel):
-    """Live tuning: the operator watches the engines' metrics and sets maxNumSeqs and gpuMemoryUtilization
-    to the highest throughput that still meets the SLO."""
+    """Live tuning: the operator watches the engines' metrics and sets maxNumSeqs (and, within bounds given,
+    maxNumBatchedTokens) and gpuMemoryUtilization to the highest throughput that still meets the SLO."""
 
     enabled: bool = Field(default=True, description="Tune this service. false keeps the engine parameters as given.")
     interval_seconds: int | None = Field(
@@ -489,6 +507,14 @@ class Tuning(SpecModel):
         description="Bounds for engine.gpuMemoryUtilization (changing it restarts pods one at a time).",
         json_schema_extra=_object_default(MemoryFractionBounds),
     )
+    max_num_batched_tokens: BatchedTokensBounds | None = Field(
+        default=None,
+        description=(
+            "Bounds for engine.maxNumBatchedTokens, the per-step token budget that caps prefill chunks: lower cuts "
+            "the inter-token latency spikes of steps that carry a prompt, at the cost of time to first token. "
+            "Unset: the tuner leaves it as it is."
+        ),
+    )
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="!self.enabled || has(self.slo.ttftP99Seconds) || has(self.slo.itlP99Seconds)",
@@ -502,6 +528,8 @@ class Tuning(SpecModel):
         """``settings`` moved into the bounds (which may have narrowed since they were chosen)."""
         seqs = self.max_num_seqs.clamp(settings.max_num_seqs)
         tokens = settings.max_num_batched_tokens
+        if tokens is not None and self.max_num_batched_tokens is not None:
+            tokens = self.max_num_batched_tokens.clamp(tokens)
         return settings.replace(
             max_num_seqs=seqs,
             max_num_batched_tokens=None if tokens is None else max(tokens, seqs),
@@ -660,6 +688,7 @@ class TuningDecision(StatusModel):
 
     time: str | None = Field(default=None, description="When it was made (RFC 3339).")
     max_num_seqs: int | None = Field(default=None, description="maxNumSeqs after the decision.")
+    max_num_batched_tokens: int | None = Field(default=None, description="maxNumBatchedTokens after the decision.")
     gpu_memory_utilization: float | None = Field(default=None, description="GPU memory fraction after the decision.")
     reason: str = Field(default="", description="Why, in one line.")
 

@@ -29,7 +29,7 @@ from kvpilot.operator.spec import (
     Phase,
     TuningStatus,
 )
-from kvpilot.operator.tuner import Decision
+from kvpilot.operator.tuner import GPU_MEMORY_UTILIZATION, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, Decision
 
 HISTORY_IN_STATUS = 10  # tuning changes listed in status.tuning.history
 
@@ -339,14 +339,11 @@ def tuning_status(decision: Decision, now: float) -> dict[str, Any]:
         last = f"hold maxNumSeqs {new.max_num_seqs}"
     # Walk back from the current values, undoing one change at a time.
     history = []
-    seqs, memory = new.max_num_seqs, new.gpu_memory_utilization
+    values = {MAX_NUM_SEQS: new.max_num_seqs, MAX_NUM_BATCHED_TOKENS: new.max_num_batched_tokens,
+              GPU_MEMORY_UTILIZATION: new.gpu_memory_utilization}
     for change in reversed(decision.history.changes):
-        history.append({"time": rfc3339(change.time), "maxNumSeqs": seqs, "gpuMemoryUtilization": memory,
-                        "reason": change.reason})
-        if change.parameter == "maxNumSeqs":
-            seqs = int(change.old)
-        else:
-            memory = change.old
+        history.append({"time": rfc3339(change.time), "reason": change.reason, **values})
+        values[change.parameter] = change.old
     history.reverse()
     fields = {"lastDecision": last, "reason": decision.reason, "time": rfc3339(now),
               "history": history[-HISTORY_IN_STATUS:]}

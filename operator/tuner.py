@@ -1,35 +1,40 @@
 """The tuner: one window's observation in, the next engine parameters out.
 
-A pure function. Under a saturating load a continuous-batching engine's
-throughput rises with the running batch while its inter-token latency (ITL)
-grows about linearly with it (every decode step carries the whole batch), so
-the best ``max_num_seqs`` for an ITL SLO is the largest batch whose P99 ITL
-still meets it. The tuner fits ``ITL P99 ≈ a + b·batch`` from its recent
-windows (least squares, weighted towards recent windows and towards points
-near the target, so a convex tail far away does not drag the line), aims at
-the SLO less a safety margin, and moves there:
+A pure function, in four named steps, each testable on synthetic streams:
 
-- SLO violated: back off at once, towards the fitted target (at most to a
-  quarter per interval), never below a setting recently seen to meet it.
-- Headroom and saturated (running ≈ max_num_seqs with a queue): grow towards
-  the fitted target in bounded steps; never up to a setting recently seen to
-  violate (over more than one window: one stalled window backs a setting off
-  but does not rule it out); never past what the KV cache holds at the
-  observed sequence lengths.
-- Otherwise, inside the margin band or the hysteresis band, during a
-  cooldown, or with too little traffic to learn from: hold still.
+1. **Evidence** (``_evidence``): the window as a ``Sample`` — the engine's step-cost sums (every
+   step of the window: thousands of samples, where a latency P99 is one), the decode and prefill
+   steps' tails, the request-level ITL and TTFT P99 — or why the window cannot be judged (too few
+   steps or inter-token samples).
+2. **Prediction** (``_predict``): the step cost fitted over recent windows (operator/step_cost.py:
+   seconds ≈ a + b·rows + c·prefill tokens) times the decode steps' tail (their P99 over their
+   mean) predicts the ITL P99 at any ``max_num_seqs``. Steps that carry prefill chunks spike above
+   that; when enough of them share the decode steps, the P99 falls among them and is predicted from
+   the chunk, which ``max_num_batched_tokens`` caps. The request-level ITL P99 only checks and
+   corrects the prediction: their ratio, averaged over recent windows, scales it (Dynamo's planner
+   corrects its predictions the same way), and the margin below the SLO grows with how much that
+   ratio moves from window to window (a noisy node gets a wider margin, not a hunt).
+3. **Guardrails** (in ``tune``): no verdict without enough samples; no growth without a queue (more
+   sequences would not raise throughput) or past what the KV cache holds at the observed lengths;
+   a move that reverses the last one waits for a second window at the setting; when no setting
+   within the bounds is predicted to meet the SLO, the tuner says so and keeps the setting with the
+   best throughput it has seen instead of walking down to the minimum (replicas are the cure).
+4. **Move** (``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
+   up and ÷4 down per interval (a decrease acts in the engine's next step: it preempts the excess).
+   A tail made of prefill chunks while the decode steps alone meet the SLO lowers
+   ``max_num_batched_tokens`` instead (within ``spec.tuning.maxNumBatchedTokens``; without those
+   bounds the tuner holds, as a smaller batch would not cure it), and a TTFT over its SLO from
+   prefill, with ITL headroom, raises it.
 
-The TTFT SLO splits by where the time to first token goes. Made of prefill
-(the steps are too slow for prompts to get through), it is the batch's to fix,
-as ITL is: over the SLO the tuner backs off, near it the tuner holds. Made of
-queueing, it is capacity's: growing the batch would trade inter-token latency
-for it, so the tuner never grows past what the ITL SLO allows (and holds when
+The TTFT SLO splits by where the time to first token goes. Made of prefill (the steps are too slow
+for prompts to get through), it is the steps' to fix, as ITL is: over the SLO the tuner backs off,
+near it the tuner does not grow. Made of queueing, it is capacity's: growing the batch would trade
+inter-token latency for it, so the tuner never grows past what the ITL SLO allows (and holds when
 there is no ITL SLO), and the autoscaler adds replicas instead.
 
-GPU memory utilization moves rarely (each change restarts pods): up one step
-when preemptions in consecutive windows show the KV cache is what limits the
-batch, down one step after an out-of-memory kill, and never again up to a
-fraction that ran out of memory.
+GPU memory utilization moves rarely (each change restarts pods): up one step when preemptions in
+consecutive windows show the KV cache is what limits the batch, down after an out-of-memory kill,
+and never again up to a fraction that ran out of memory.
 """
 
 from __future__ import annotations
@@ -37,28 +42,35 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from kvpilot.operator import step_cost
 from kvpilot.operator.engine_metrics import Observation
 from kvpilot.operator.spec import EngineSettings, Tuning
+
+MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, GPU_MEMORY_UTILIZATION = "maxNumSeqs", "maxNumBatchedTokens", "gpuMemoryUtilization"
 
 
 @dataclass(frozen=True)
 class TunerConfig:
-    margin: float = 0.05  # aim the P99 ITL at (1 - margin) × SLO
+    margin: float = 0.05  # the least margin below the SLO the prediction aims at
+    max_margin: float = 0.25  # the most, however noisy the windows
+    spread_margin: float = 2.0  # margin = this × the windows' relative spread of observed/predicted
     min_itl_samples: int = 300  # fewer inter-token gaps than this: the P99 is noise
-    max_growth: float = 2.0  # at most ×2 per interval upwards
+    min_steps: int = 100  # fewer engine steps than this: the step cost is noise
+    max_growth: float = 4.0  # at most ×4 per interval upwards, once the step cost's slope is measured
+    explore_growth: float = 2.0  # before that, at most ×2 (less where the squared headroom is less)
     max_backoff: float = 0.25  # at most ÷4 per interval downwards
-    hysteresis: float = 0.05  # ignore upward moves smaller than this fraction of max_num_seqs
-    probe: float = 0.25  # a fitted best this many sequences above a small setting: try one more
-    cooldown_seconds: float = 0.0  # between max_num_seqs changes (windows restart anyway)
+    hysteresis: float = 0.05  # ignore moves smaller than this fraction of max_num_seqs
     saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
-    drain_slack: float = 1.1  # batch above this × max_num_seqs: still draining a decrease
     kv_headroom: float = 0.9  # use at most this share of the KV cache at observed lengths
-    fit_window: int = 12  # windows used for the latency fit
-    fit_max_ratio: float = 2.0  # windows with a P99 ITL beyond this × target stay out of the fit
-    recency: float = 0.75  # weight of a window relative to the next newer one
-    bracket_windows: int = 20  # how long a setting's last verdict (good/bad) is trusted
-    tight_bracket: float = 1 / 3  # a bad setting this close above the current one: stop probing
-    throughput_tolerance: float = 0.97  # a larger setting this much slower than a smaller one is worse
+    fit_window: int = 12  # windows pooled for the step-cost fit
+    fit_max_ratio: float = 2.0  # windows with an ITL P99 over this × the SLO stay out of the fit
+    recency: float = 0.8  # weight of a window relative to the next newer one
+    correction_windows: int = 4  # windows averaged for the correction of the prediction
+    correction_bounds: tuple[float, float] = (0.5, 2.0)
+    prefill_tail_share: float = 0.01  # prefill steps at least this share of steps can set the ITL P99
+    tokens_step: float = 2.0  # max_num_batched_tokens moves at most ×2 / ÷2 per interval
+    bracket_windows: int = 20  # how long a setting confirmed over the SLO stays out of reach
+    tight_bracket: float = 0.25  # climbing back after a decrease only for a gain of at least this share
     history_length: int = 24
     memory_step: float = 0.02
     memory_cooldown_seconds: float = 600.0
@@ -66,24 +78,31 @@ class TunerConfig:
 
 @dataclass(frozen=True)
 class Sample:
-    """What one window taught: latency at a batch size, under one setting."""
+    """What one window taught, under one setting."""
 
     time: float
     max_num_seqs: int
+    max_num_batched_tokens: int | None
     batch: float
     itl_p99: float
     tokens_per_second: float
     saturated: bool
-    violated: bool  # the latest windows at this setting, averaged, were too slow for an SLO
     preempting: bool
-    evidence_windows: int = 1  # how many windows that average spans
     ttft_p99: float | None = None
+    cost_sums: dict[str, float] | None = None  # the window's step-cost sums (None: not exported)
+    decode_tail: float = 1.0  # decode steps' P99 / mean
+    prefill_share: float = 0.0  # steps carrying prefill / all steps
+    prefill_chunk: float = 0.0  # mean prefill tokens of such a step
+    prefill_p99: float | None = None  # seconds, of such steps
+    violated: bool = False  # clearly over the ITL SLO, or over it in two of the latest windows at the setting
+    correction: float | None = None  # observed ITL P99 / predicted, at this window's batch
+    level: float | None = None  # the window's step seconds / the fit's: how fast the machine ran then
 
 
 @dataclass(frozen=True)
 class Change:
     time: float
-    parameter: str  # "maxNumSeqs" or "gpuMemoryUtilization"
+    parameter: str  # MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS or GPU_MEMORY_UTILIZATION
     old: float
     new: float
     reason: str
@@ -94,12 +113,14 @@ class TuningHistory:
     samples: tuple[Sample, ...] = ()
     changes: tuple[Change, ...] = ()
     oom_memory_ceiling: float | None = None  # a fraction that ran out of memory
+    unreachable_at: float | None = None  # when the SLO was last found out of reach of every setting
 
     def to_dict(self) -> dict:
         return {
             "samples": [asdict(s) for s in self.samples],
             "changes": [asdict(c) for c in self.changes],
             "oomMemoryCeiling": self.oom_memory_ceiling,
+            "unreachableAt": self.unreachable_at,
         }
 
     @classmethod
@@ -110,6 +131,7 @@ class TuningHistory:
             samples=tuple(Sample(**s) for s in data.get("samples", ())),
             changes=tuple(Change(**c) for c in data.get("changes", ())),
             oom_memory_ceiling=data.get("oomMemoryCeiling"),
+            unreachable_at=data.get("unreachableAt"),
         )
 
     def last_change(self, parameter: str) -> Change | None:
@@ -122,6 +144,7 @@ class Decision:
     reason: str
     history: TuningHistory
     previous: EngineSettings
+    slo_unreachable: bool = False  # no setting within the bounds is predicted to meet the SLO
 
     @property
     def num_seqs_changed(self) -> bool:
@@ -143,44 +166,59 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class LatencyFit:
-    """ITL P99 ≈ intercept + slope · batch, in seconds."""
+class Prediction:
+    """ITL P99 at a setting, from the step cost, the steps' tails and the correction."""
 
-    intercept: float
-    slope: float
+    cost: step_cost.StepCost
+    level: float  # the machine's recent speed against the cost's line (1: as fitted)
+    decode_tail: float
+    prefill_share: float
+    prefill_chunk: float
+    chunks_fill_budget: bool  # the chunks filled the step budget: long prompts, which the budget caps
+    prefill_tail: float  # prefill steps' P99 over their predicted mean
+    correction: float
+    config: TunerConfig
 
-    def batch_for(self, itl_seconds: float) -> float:
-        return (itl_seconds - self.intercept) / self.slope
+    def chunk(self, seqs: float, tokens: int | None) -> float:
+        if tokens is None:
+            return self.prefill_chunk
+        room = max(tokens - seqs, 0.0)
+        return room if self.chunks_fill_budget else min(self.prefill_chunk, room)
+
+    def decode_p99(self, seqs: float) -> float:
+        return self.cost.seconds(seqs) * self.level * self.decode_tail * self.correction
+
+    def prefill_p99(self, seqs: float, tokens: int | None) -> float:
+        """The ITL P99 as far as steps carrying prefill set it: 0 when they are too few to."""
+        factor = self._prefill_factor()
+        return self.cost.seconds(seqs, self.chunk(seqs, tokens)) * self.level * factor if factor else 0.0
+
+    def budget_for(self, seqs: float, target: float) -> float:
+        """The largest step budget whose prefill chunks are predicted to keep the ITL P99 at ``target``."""
+        factor = self._prefill_factor()
+        if not factor or self.cost.per_prefill_token <= 0:
+            return math.inf
+        chunk = (target / (factor * self.level) - self.cost.seconds(seqs)) / self.cost.per_prefill_token
+        return seqs + max(chunk, 0.0)
+
+    def _prefill_factor(self) -> float:
+        """Tail × correction of the steps carrying prefill; 0 when they are too few to set the P99."""
+        if self.prefill_share < self.config.prefill_tail_share:
+            return 0.0
+        # The ITL P99 lies at this quantile of the prefill steps (a share s of all steps holds the
+        # top 1% from 1 - 0.01/s up): between their mean (q 0.5) and their P99, linearly.
+        q = 1.0 - 0.01 / self.prefill_share
+        return (1.0 + (self.prefill_tail - 1.0) * min(max((q - 0.5) / 0.49, 0.0), 1.0)) * self.correction
+
+    def itl_p99(self, seqs: float, tokens: int | None) -> float:
+        return max(self.decode_p99(seqs), self.prefill_p99(seqs, tokens))
 
     def describe(self) -> str:
-        return f"ITL≈{self.intercept * 1e3:.1f}+{self.slope * 1e3:.2f}·batch ms"
-
-
-def fit_latency(samples: tuple[Sample, ...], target_itl: float, config: TunerConfig) -> LatencyFit | None:
-    """Weighted least squares of ITL P99 on batch; None when the batches don't spread or slope ≤ 0.
-
-    Weights favour recent windows and windows near the target latency.
-    """
-    # Windows far over the target (deep in overload, where latency explodes) say nothing
-    # about the slope near it.
-    recent = [s for s in samples[-config.fit_window :] if s.itl_p99 <= config.fit_max_ratio * target_itl]
-    if len(recent) < 2:
-        return None
-    points = []
-    for age, s in enumerate(reversed(recent)):
-        closeness = 1.0 / (1.0 + abs(s.itl_p99 - target_itl) / target_itl) if math.isfinite(target_itl) else 1.0
-        points.append((s.batch, s.itl_p99, config.recency**age * closeness**2))
-    total = sum(w for _, _, w in points)
-    mean_x = sum(x * w for x, _, w in points) / total
-    mean_y = sum(y * w for _, y, w in points) / total
-    var_x = sum(w * (x - mean_x) ** 2 for x, _, w in points) / total
-    if var_x < max(1.0, (0.1 * mean_x) ** 2) / 4:
-        return None  # one batch size seen: the slope is unknown
-    cov = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / total
-    slope = cov / var_x
-    if slope <= 0:
-        return None
-    return LatencyFit(mean_y - slope * mean_x, slope)
+        text = (f"{self.cost.describe()}, machine at ×{self.level:.2f}, decode tail ×{self.decode_tail:.2f}, "
+                f"correction ×{self.correction:.2f}")
+        if self.prefill_share >= self.config.prefill_tail_share:
+            text += f", {self.prefill_share:.0%} of steps carry ~{self.prefill_chunk:.0f} prefill tokens"
+        return text
 
 
 def tune(
@@ -192,201 +230,346 @@ def tune(
     oom_kills: int = 0,
     config: TunerConfig = TunerConfig(),
 ) -> Decision:
-    """Decide the next settings from the latest window, within ``tuning``'s SLO and bounds.
+    """Decide the next settings from the latest window, within ``tuning``'s SLO and bounds
+    (the module docstring says how)."""
 
-    See the module docstring.
-    """
-
-    def decide(new: EngineSettings, reason: str, hist: TuningHistory | None = None) -> Decision:
+    def decide(new: EngineSettings, reason: str, hist: TuningHistory | None = None,
+               unreachable: bool = False) -> Decision:
         hist = history if hist is None else hist
         changes = list(hist.changes)
-        if new.max_num_seqs != settings.max_num_seqs:
-            changes.append(Change(now, "maxNumSeqs", settings.max_num_seqs, new.max_num_seqs, reason))
-        if new.gpu_memory_utilization != settings.gpu_memory_utilization:
-            changes.append(Change(now, "gpuMemoryUtilization", settings.gpu_memory_utilization,
-                                  new.gpu_memory_utilization, reason))
-        hist = replace(hist, changes=tuple(changes[-config.history_length :]))
-        return Decision(new, reason, hist, settings)
+        for parameter, old, value in (
+            (MAX_NUM_SEQS, settings.max_num_seqs, new.max_num_seqs),
+            (MAX_NUM_BATCHED_TOKENS, settings.max_num_batched_tokens, new.max_num_batched_tokens),
+            (GPU_MEMORY_UTILIZATION, settings.gpu_memory_utilization, new.gpu_memory_utilization),
+        ):
+            if value != old and old is not None and value is not None:
+                changes.append(Change(now, parameter, old, value, reason))
+        hist = replace(hist, changes=tuple(changes[-config.history_length:]),
+                       unreachable_at=now if unreachable else hist.unreachable_at)
+        return Decision(new, reason, hist, settings, unreachable)
 
-    m = settings.max_num_seqs
-    mem = settings.gpu_memory_utilization
+    m, mem = settings.max_num_seqs, settings.gpu_memory_utilization
     seq_bounds, slo = tuning.max_num_seqs, tuning.slo
-
     if oom_kills > 0:
-        ceiling = mem if history.oom_memory_ceiling is None else min(mem, history.oom_memory_ceiling)
-        lowered = tuning.gpu_memory_utilization.clamp(mem - 2 * config.memory_step)
-        hist = replace(history, oom_memory_ceiling=ceiling)
-        if lowered < mem:
-            reason = (
-                f"{oom_kills} pod(s) ran out of memory at gpu_memory_utilization {mem:g}: "
-                f"lowering it to {lowered:g}"
-            )
-            return decide(settings.replace(gpu_memory_utilization=lowered), reason, hist)
-        backed = seq_bounds.clamp(m * 0.75)
-        reason = (
-            f"{oom_kills} pod(s) ran out of memory at the lowest allowed gpu_memory_utilization {mem:g}: "
-            f"lowering max_num_seqs {m} → {backed}"
-        )
-        return decide(settings.replace(max_num_seqs=backed), reason, hist)
+        return _after_oom(settings, tuning, history, oom_kills, config, decide)
+    clamped = tuning.clamp(settings)
+    if clamped != settings:
+        return decide(clamped, f"the settings are outside the tuning bounds (maxNumSeqs {seq_bounds.min}.."
+                               f"{seq_bounds.max}): moving into them")
 
-    clamped = seq_bounds.clamp(m)
-    if clamped != m:
-        return decide(
-            _with_seqs(settings, clamped),
-            f"max_num_seqs {m} is outside the tuning bounds {seq_bounds.min}..{seq_bounds.max}: "
-            f"moving to {clamped}",
-        )
-
+    # 1. Evidence.
+    evidence = _evidence(observation, settings, now, config)
+    if isinstance(evidence, str):
+        return decide(settings, evidence)
+    assert observation is not None
+    # 2. Prediction, checked and corrected by this window's request-level P99.
     slo_itl = slo.itl_p99_seconds if slo.itl_p99_seconds is not None else math.inf
-    target_itl = slo_itl * (1 - config.margin)
     slo_ttft = slo.ttft_p99_seconds if slo.ttft_p99_seconds is not None else math.inf
-    target_ttft = slo_ttft * (1 - config.margin)
-    if observation is None or observation.itl_p99 is None or observation.mean_running_per_pod is None:
-        return decide(settings, "no metrics from any pod in this window: holding")
-    if observation.itl_samples < config.min_itl_samples or observation.mean_running_per_pod < 1:
-        return decide(
-            settings,
-            f"too little traffic to learn from ({observation.itl_samples:.0f} inter-token samples in "
-            f"{observation.window_seconds:.0f} s, need {config.min_itl_samples}): holding",
-        )
-
-    pods = max(observation.pods, 1)
-    batch = observation.mean_running_per_pod
-    waiting_per_pod = observation.waiting / pods
-    sample = Sample(
-        time=now,
-        max_num_seqs=observation.max_num_seqs or m,
-        batch=batch,
-        itl_p99=observation.itl_p99,
-        tokens_per_second=observation.output_tokens_per_second,
-        saturated=batch >= config.saturation_fill * m and waiting_per_pod > 0.0,
-        violated=False,
-        preempting=observation.preemptions_per_second > 0,
-        ttft_p99=observation.ttft_p99,
-    )
-    if _draining(sample, config):
-        # Requests admitted under a larger setting finish at their own pace: the point is
-        # good for the latency fit, but says nothing yet about the new setting.
-        history = replace(history, samples=(history.samples + (sample,))[-config.history_length :])
-        return decide(
-            settings,
-            f"draining after the decrease: batch {batch:.1f} is still above max_num_seqs {sample.max_num_seqs}: holding",
-        )
-    # Evidence at the current setting: the latest windows since it was applied, averaged so
-    # that one noisy P99 neither triggers a back-off nor brands the setting as violating.
-    at_setting = _tail_at_setting(history.samples + (sample,), sample.max_num_seqs)
-    current = [s for s in at_setting if not _draining(s, config)][-3:]
-    itl_now = sum(s.itl_p99 for s in current) / len(current)
-    batch_now = sum(s.batch for s in current) / len(current)
-    ttfts = [s.ttft_p99 for s in current if s.ttft_p99 is not None]
-    ttft_now = sum(ttfts) / len(ttfts) if ttfts else None
-    # A TTFT made of prefill is the batch's to fix (its steps are too slow); one made of
-    # queueing is capacity's: more replicas, not a larger batch (see the module docstring).
-    queueing = observation.ttft_from_queueing
-    ttft_over_from_steps = ttft_now is not None and ttft_now > slo_ttft and not queueing
-    sample = replace(sample, violated=itl_now > slo_itl or ttft_over_from_steps, evidence_windows=len(current))
-    history = replace(history, samples=(history.samples + (sample,))[-config.history_length :])
-
-    last_seqs_change = history.last_change("maxNumSeqs")
-    if last_seqs_change is not None and now - last_seqs_change.time < config.cooldown_seconds:
-        return decide(settings, f"cooling down after the change at {last_seqs_change.time:.0f}: holding")
-
-    fit = fit_latency(history.samples, target_itl, config)
-    good, bad, bad_why = _bracket(history.samples[-config.bracket_windows :], m, config)
-    kv_cap = _kv_capacity(observation, batch, config)
-    where = f"ITL P99 {itl_now * 1e3:.0f} ms at batch {batch_now:.1f}"
+    prediction, sample = _predict(history.samples, evidence, slo_itl, config)
+    history = replace(history, samples=(history.samples + (sample,))[-config.history_length:])
+    margin = _margin(history.samples, config)
+    target = slo_itl * (1 - margin)
+    tokens = sample.max_num_batched_tokens
+    waiting_per_pod = observation.waiting / max(observation.pods, 1)
+    ttft, queueing = sample.ttft_p99, observation.ttft_from_queueing
+    where = f"ITL P99 {sample.itl_p99 * 1e3:.0f} ms at batch {sample.batch:.1f}"
     slo_text = f"SLO {slo_itl * 1e3:.0f} ms" if math.isfinite(slo_itl) else "no ITL SLO"
-    fit_text = f" ({fit.describe()})" if fit else ""
-    ttft_where = (f"TTFT P99 {ttft_now:.2f} s at batch {batch_now:.1f} "
-                  f"({_percent(observation.ttft_queue_share)} of it queueing)") if ttft_now is not None else ""
-    ttft_slo_text = f"TTFT SLO {slo_ttft:g} s"
+    why = f" ({prediction.describe()}; margin {margin:.0%})"
 
-    def back_off(target: float, why: str, how: str = "") -> Decision:
-        floor = max(m * config.max_backoff, good if good is not None and good < m else 0)
-        new = seq_bounds.clamp(min(max(target, floor), m - 1))
-        if new >= m:
-            return decide(settings, f"{why}, but max_num_seqs is at its lower bound {m}")
-        return decide(_with_seqs(settings, new), f"{why}: max_num_seqs {m} → {new}{how}")
-
-    if itl_now > slo_itl:
-        if itl_now <= slo_itl * (1 + config.margin) and len(current) < 2:
-            return decide(settings, f"{where} is marginally over {slo_text}: confirming over one more window")
-        # Trust the fit only where it agrees that the current batch is too large, and where its
-        # line admits some batch at all: an intercept over the target comes from noisy windows
-        # far up the curve (run 16: 13 → 3), and scaling the batch by the excess is safer.
-        fitted = fit.batch_for(target_itl) if fit and fit.intercept < target_itl else None
-        target = fitted if fitted is not None and fitted < batch_now else batch_now * target_itl / itl_now
-        return back_off(target, f"{where} > {slo_text}", fit_text)
-
-    if ttft_over_from_steps:
-        assert ttft_now is not None
-        if ttft_now <= slo_ttft * (1 + config.margin) and len(current) < 2:
-            return decide(settings, f"{ttft_where} is marginally over {ttft_slo_text}: confirming over one more window")
-        # Prefill chunks run in the same steps as the decodes: their time grows with the batch.
-        return back_off(batch_now * target_ttft / ttft_now, f"{ttft_where} > {ttft_slo_text}: the steps are too slow")
-
+    # 3. Guardrails. Memory first: preemptions with a queue, window after window, mean the KV cache
+    # limits the batch.
     if waiting_per_pod > 0 and _preempting_twice(history.samples):
         raised = _raised_memory(mem, tuning, history, now, config)
         if raised is not None:
             return decide(
                 settings.replace(gpu_memory_utilization=raised),
                 f"preempting {observation.preemptions_per_second:.2f}/s with {waiting_per_pod:.1f} waiting per pod: "
-                f"the KV cache is the limit; gpu_memory_utilization {mem:g} → {raised:g}",
+                f"the KV cache is the limit; gpu_memory_utilization {mem:g} → {raised:g}", history,
             )
+    best = _largest(lambda s: prediction.itl_p99(s, tokens) <= target, seq_bounds.min, seq_bounds.max)
+    if best is not None and best < m and prediction.itl_p99(m, tokens) <= slo_itl:
+        # Between the target and the SLO: where growth stops, but no reason to come down.
+        best = m
+    decode_best = _largest(lambda s: prediction.decode_p99(s) <= target, seq_bounds.min, seq_bounds.max)
+    recently_unreachable = history.unreachable_at is not None and \
+        now - history.unreachable_at <= config.bracket_windows * observation.window_seconds
+    if decode_best is None and not prediction.cost.slope_measured and not recently_unreachable and m > seq_bounds.min:
+        # One batch size seen, and its split into fixed and per-row cost only a prior: measure
+        # another batch size before calling the SLO out of reach.
+        best = decode_best = max(math.floor(m * config.max_backoff), seq_bounds.min)
+    if (best is None or best < m) and decode_best is not None and decode_best >= m and \
+            tuning.max_num_batched_tokens is not None:
+        # The tail is prefill chunks sharing decode steps: a smaller budget per step cures it.
+        return _budget_move(prediction, settings, tuning, history, target, f"{where}: steps carrying prefill "
+                            f"chunks set the tail{why}", decide, grow=False)
+    if best is None or (recently_unreachable and not prediction.cost.slope_measured):
+        # (With the slope no longer in the fitted windows, only a prior: the recent verdict stands.)
+        prefill_made = best is None and decode_best is not None
+        kept = m if prefill_made else (_best_seen(history.samples) or m)
+        cause = ("the tail comes from steps carrying prefill chunks, which a smaller batch does not cure "
+                 "(bounds in spec.tuning.maxNumBatchedTokens let the tuner cap them)"
+                 if prefill_made else f"even {seq_bounds.min} sequences are predicted over it")
+        return decide(_with_seqs(settings, kept),
+                      f"{where}: no maxNumSeqs within {seq_bounds.min}..{seq_bounds.max} is predicted to meet "
+                      f"{slo_text}: {cause}; keeping {kept}, the best throughput seen, for the autoscaler's "
+                      f"replicas to relieve{why}", history, unreachable=True)
+    ttft_driven = ttft is not None and not queueing and ttft > slo_ttft * (1 - margin)
+    if ttft_driven:
+        # A TTFT made of prefill: the steps are too slow for prompts to get through. A larger step
+        # budget moves prompts faster where the ITL allows it; otherwise a smaller batch does.
+        if ttft > slo_ttft and tuning.max_num_batched_tokens is not None and tokens is not None:
+            larger = tuning.max_num_batched_tokens.clamp(tokens * config.tokens_step)
+            if larger > tokens and prediction.itl_p99(m, larger) <= target:
+                return _budget_move(prediction, settings, tuning, history, target,
+                                    f"TTFT P99 {ttft:.2f} s > TTFT SLO {slo_ttft:g} s from prefill, with ITL "
+                                    f"headroom{why}", decide, grow=True)
+        best = min(best, m) if ttft <= slo_ttft else min(best, math.floor(m * slo_ttft * (1 - margin) / ttft), m - 1)
+        best = max(best, seq_bounds.min)
+    if best > m and ttft is not None and queueing and not math.isfinite(slo_itl):
+        return decide(settings, f"TTFT P99 {ttft:.2f} s is mostly queueing, which more replicas cure; with no ITL "
+                                "SLO to bound the trade, not growing the batch: holding", history)
 
-    if itl_now > target_itl:
-        return decide(settings, f"{where} is within the {config.margin:.0%} margin below {slo_text}: holding")
-    ttft_binding = ttft_now is not None and ttft_now > target_ttft
-    if ttft_binding and not queueing:
-        return decide(settings, f"{ttft_where} is within the {config.margin:.0%} margin below {ttft_slo_text}; "
-                                "a larger batch would slow the prefill: holding")
-    if not sample.saturated:
-        return decide(
-            settings,
-            f"{where} meets {slo_text}; not saturated (batch {batch:.1f} of {m}, "
-            f"{waiting_per_pod:.1f} waiting per pod): holding",
-        )
-    if ttft_binding and not math.isfinite(slo_itl):
-        # A larger batch would drain the queue only by slowing every stream, and no ITL SLO
-        # bounds that trade: replicas are the cure, and the autoscaler adds them on this signal.
-        return decide(settings, f"{ttft_where} is near or over {ttft_slo_text} from queueing, which more "
-                                "replicas cure: not growing the batch at the cost of inter-token latency: holding")
+    # Near the SLO a verdict needs evidence that tells the setting from it. Coming down rests on the
+    # windows: one clearly over (beyond the noise band of recent windows) or two of the latest four, and
+    # then aims where this window's conditions would meet the target. Going up never returns to a
+    # setting recently confirmed over the SLO.
+    band = _noise_band(history.samples, config)
+    itl_over = sample.itl_p99 > slo_itl
+    violated = itl_over and (sample.itl_p99 > slo_itl * (1 + band) or _over_twice(history.samples, m, slo_itl))
+    history = replace(history, samples=history.samples[:-1] + (replace(sample, violated=violated),))
+    if best < m and not ttft_driven:
+        if not itl_over:
+            best = m
+        elif not violated:
+            return decide(settings, f"{where} is within the noise band ({band:.0%}) over {slo_text}: confirming "
+                                    f"over one more window{why}", history)
+        else:
+            now_level = replace(prediction, level=sample.level or prediction.level)
+            best = min(best, _largest(lambda s: now_level.itl_p99(s, tokens) <= target, seq_bounds.min, m - 1)
+                       or seq_bounds.min)
+    if best > m:
+        bad = min((s.max_num_seqs for s in history.samples[-config.bracket_windows:]
+                   if s.violated and s.max_num_seqs > m), default=None)
+        if bad is not None and best >= bad:
+            best = bad - 1
+            if best <= m:
+                return decide(settings, f"{where} meets {slo_text}; {bad} was confirmed over it lately: holding"
+                                        f"{why}", history)
 
-    # Without a fit (one batch size seen) explore: the intercept makes latency grow slower than
-    # the batch, so the squared headroom ratio is a fair first step, bounded by max_growth.
-    target = fit.batch_for(target_itl) if fit else batch_now * (target_itl / itl_now) ** 2
-    limits = [target, m * config.max_growth, seq_bounds.max]
-    limit_text = ""
-    if kv_cap is not None and kv_cap < min(limits):
-        limit_text = f"; the KV cache holds ~{kv_cap:.0f} seqs at observed lengths"
-    if kv_cap is not None:
-        limits.append(kv_cap)
-    if bad is not None:
-        # Bisect between what works and what recently did not; a tight bracket means done.
-        cap = m if bad <= m * (1 + config.tight_bracket) else (m + bad) // 2
-        if cap < min(limits):
-            limit_text = f"; {bad} {bad_why} recently"
-            limits.append(cap)
-    new = seq_bounds.clamp(min(limits))
-    if new == m and min(limits) >= m + config.probe:
-        # Settings are whole sequences: a best fitted between m and m + 1 would round down to
-        # m forever, while at small m one more sequence is a real step (hysteresis still rules
-        # it out where it is not). The next window checks it.
-        new = seq_bounds.clamp(m + 1)
-    if m == seq_bounds.max:
-        return decide(settings, f"{where} meets {slo_text}; max_num_seqs is at its upper bound {m}: holding")
-    if new - m < max(1, config.hysteresis * m):
-        why = limit_text or f"; the fitted best is within {config.hysteresis:.0%}"
-        return decide(settings, f"{where} meets {slo_text}{why}: holding")
-    queueing_text = f"; {ttft_where} is near or over {ttft_slo_text} from queueing" if ttft_binding else ""
-    return decide(
-        _with_seqs(settings, new),
-        f"{where} meets {slo_text} with a queue: max_num_seqs {m} → {new}{fit_text}{limit_text}{queueing_text}",
+    # 4. Move.
+    new, limit = _move(m, best, sample, observation, seq_bounds, config, prediction.cost.slope_measured)
+    if new == m:
+        return decide(settings, f"{where} vs {slo_text}: {limit}: holding{why}", history)
+    last = history.last_change(MAX_NUM_SEQS)
+    if last is not None and (last.new - last.old) * (new - m) < 0:
+        # A reversal needs more than the noise band: a second window at the setting; and climbing
+        # back after a decrease, a gain worth the risk of another (the best lies between the two).
+        if len(_tail_at_setting(history.samples, m)) < 2:
+            return decide(settings, f"{where}: the prediction says {new}, which reverses the last change; "
+                                    f"confirming over one more window{why}", history)
+        if new > m and new - m < max(2, config.tight_bracket * m):
+            return decide(settings, f"{where} meets {slo_text}: {new} would climb back towards the setting just "
+                                    f"left for less than {config.tight_bracket:.0%}: holding{why}", history)
+    verb = "leaves room under" if new > m else "is over the target for"
+    return decide(_with_seqs(settings, new), f"{where} {verb} {slo_text}: max_num_seqs {m} → {new}{why}", history)
+
+
+def _evidence(observation: Observation | None, settings: EngineSettings, now: float,
+              config: TunerConfig) -> Sample | str:
+    """The window as a Sample, or why it cannot be judged."""
+    if observation is None or observation.itl_p99 is None or observation.mean_running_per_pod is None:
+        return "no metrics from any pod in this window: holding"
+    if observation.itl_samples < config.min_itl_samples or observation.mean_running_per_pod < 1:
+        return (f"too little traffic to learn from ({observation.itl_samples:.0f} inter-token samples in "
+                f"{observation.window_seconds:.0f} s, need {config.min_itl_samples}): holding")
+    sums = observation.step_cost_sums
+    if sums is not None and sums.get("steps", 0.0) < config.min_steps:
+        return (f"too few engine steps to learn from ({sums.get('steps', 0.0):.0f} in "
+                f"{observation.window_seconds:.0f} s, need {config.min_steps}): holding")
+    m = observation.max_num_seqs or settings.max_num_seqs
+    batch = observation.mean_running_per_pod
+    decode_tail = (observation.decode_step_p99 / observation.decode_step_mean
+                   if observation.decode_step_p99 and observation.decode_step_mean else 1.0)
+    return Sample(
+        time=now,
+        max_num_seqs=m,
+        max_num_batched_tokens=settings.max_num_batched_tokens or observation.max_num_batched_tokens,
+        batch=batch,
+        itl_p99=observation.itl_p99,
+        tokens_per_second=observation.output_tokens_per_second,
+        saturated=batch >= config.saturation_fill * m and observation.waiting / max(observation.pods, 1) > 0,
+        preempting=observation.preemptions_per_second > 0,
+        ttft_p99=observation.ttft_p99,
+        cost_sums=dict(sums) if sums is not None else None,
+        decode_tail=max(decode_tail, 1.0),
+        prefill_share=observation.prefill_step_share or 0.0,
+        prefill_chunk=observation.prefill_tokens_per_prefill_step or 0.0,
+        prefill_p99=observation.prefill_step_p99,
     )
 
 
-def _percent(share: float | None) -> str:
-    return "an unknown share" if share is None else f"{share:.0%}"
+def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, config: TunerConfig
+             ) -> tuple[Prediction, Sample]:
+    """The prediction from the recent windows' step cost and this window's tails, at the machine's
+    recent speed, corrected by the recent windows' observed / predicted ITL P99; and the sample with
+    its speed (level) and its own ratio recorded."""
+    recent = (previous + (sample,))[-config.fit_window:]
+    # Windows far over the SLO (deep in overload, where steps grow faster than the line) say little
+    # about the slope near it.
+    points = _fit_points(recent, slo, config)
+    weighted = [(s.cost_sums, config.recency ** age) for age, s in enumerate(reversed(points)) if s.cost_sums]
+    fitted = step_cost.fit_levelled(weighted, min_steps=config.min_steps) if weighted else None
+    if fitted is None:
+        # An engine without the cost curve: the windows' request-level P99s against their batches,
+        # each window one point.
+        cost = step_cost.fit(step_cost.add((_point(s), config.recency ** age) for age, s in enumerate(reversed(points))),
+                             min_steps=0.5)
+        own_level = None
+    else:
+        cost = fitted[0]
+        own_level = step_cost.level(sample.cost_sums, cost) if sample.cost_sums else None
+    prefill_mean = cost.seconds(sample.batch, sample.prefill_chunk) * (own_level or 1.0)
+    budget = sample.max_num_batched_tokens
+    tails = sorted(s.decode_tail for s in recent[-config.correction_windows:] if s.cost_sums)
+    own = Prediction(
+        cost=cost,
+        level=own_level or 1.0,
+        decode_tail=tails[len(tails) // 2] if tails else 1.0,  # the median of recent windows: a P99 is noisy
+        prefill_share=sample.prefill_share,
+        prefill_chunk=sample.prefill_chunk,
+        chunks_fill_budget=budget is not None and sample.prefill_chunk >= 0.8 * max(budget - sample.batch, 1.0),
+        prefill_tail=max((sample.prefill_p99 or prefill_mean) / prefill_mean, 1.0) if prefill_mean > 0 else 1.0,
+        correction=1.0,
+        config=config,
+    )
+    sample = replace(sample, correction=sample.itl_p99 / max(own.itl_p99(sample.batch, budget), 1e-9),
+                     level=own_level)
+    window = (previous + (sample,))[-config.correction_windows:]
+    low, high = config.correction_bounds
+    correction = min(max(_geometric_mean([s.correction for s in window]) or 1.0, low), high)
+    # The machine's speed: the slowest of the recent windows', so that a neighbour's load coming
+    # back does not break a setting chosen while it was away.
+    levels = [s.level for s in (previous + (sample,))[-2 * config.correction_windows:] if s.level]
+    return replace(own, level=max(levels, default=1.0), correction=correction), sample
+
+
+def _fit_points(recent: tuple[Sample, ...], slo: float, config: TunerConfig) -> list[Sample]:
+    """The windows the step cost is fitted on: those near the SLO, or the latest alone."""
+    near = [s for s in recent if s.itl_p99 <= config.fit_max_ratio * slo]
+    return near or [recent[-1]]
+
+
+def _point(sample: Sample) -> dict[str, float]:
+    """A window's request-level ITL P99 at its batch, as the sums of one step."""
+    r, t = sample.batch, sample.itl_p99
+    return {"steps": 1.0, "rows": r, "prefill": 0.0, "seconds": t, "rows_rows": r * r, "rows_prefill": 0.0,
+            "prefill_prefill": 0.0, "rows_seconds": r * t, "prefill_seconds": 0.0, "seconds_seconds": t * t}
+
+
+def _geometric_mean(values: list[float | None]) -> float | None:
+    logs = [math.log(v) for v in values if v]
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
+def _margin(samples: tuple[Sample, ...], config: TunerConfig) -> float:
+    """The margin below the SLO: wider the more the request-level P99 strays from the prediction from
+    window to window (the machine's own speed is in the prediction: its slowest recent level)."""
+    recent = samples[-2 * config.correction_windows:]
+    spread = math.sqrt(_log_variance([s.correction for s in recent]))
+    return min(max(config.margin, config.spread_margin * spread), config.max_margin)
+
+
+def _noise_band(samples: tuple[Sample, ...], config: TunerConfig) -> float:
+    """How far a window's ITL P99 strays from the line by chance: twice the spread of recent windows'
+    observed / predicted (their machine speed and correction together)."""
+    ratios = [s.level * s.correction for s in samples[-2 * config.correction_windows:] if s.level and s.correction]
+    return min(max(config.spread_margin * math.sqrt(_log_variance(ratios)), config.margin), config.max_margin)
+
+
+def _over_twice(samples: tuple[Sample, ...], seqs: int, slo: float) -> bool:
+    """Two of the latest four windows at ``seqs`` (in a row at it) were over the SLO."""
+    return sum(1 for s in _tail_at_setting(samples, seqs)[:4] if s.itl_p99 > slo) >= 2
+
+
+def _log_variance(values: list[float | None]) -> float:
+    logs = [math.log(v) for v in values if v]
+    if len(logs) < 3:
+        return 0.0
+    mean = sum(logs) / len(logs)
+    return sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)
+
+
+def _largest(meets, low: int, high: int) -> int | None:
+    """The largest whole setting in low..high for which ``meets`` holds; None for none."""
+    return next((s for s in range(high, low - 1, -1) if meets(s)), None)
+
+
+def _move(m: int, best: int, sample: Sample, observation: Observation, bounds, config: TunerConfig,
+          slope_measured: bool) -> tuple[int, str]:
+    """The next max_num_seqs towards ``best``, and what keeps it at ``m`` when it stays."""
+    if best < m:
+        new = max(best, math.floor(m * config.max_backoff), bounds.min)
+        return (new, "") if m - new >= max(1, config.hysteresis * m) else (m, "the predicted best is within the hysteresis")
+    if best == m:
+        return m, "the prediction puts the best setting here"
+    if m >= bounds.max:
+        return m, f"max_num_seqs is at its upper bound {m}"
+    if not sample.saturated:
+        return m, (f"not saturated (batch {sample.batch:.1f} of {m}, {observation.waiting:.1f} waiting): "
+                   "more sequences would not raise throughput")
+    growth = config.max_growth if slope_measured else config.explore_growth
+    limits = {best: f"the predicted best is {best}", math.floor(m * growth): f"×{growth:g} per interval",
+              bounds.max: f"the upper bound {bounds.max}"}
+    kv = _kv_capacity(observation, sample.batch, config)
+    if kv is not None:
+        limits.setdefault(math.floor(kv), f"the KV cache holds ~{kv:.0f} sequences at the observed lengths")
+    new = min(limits)
+    if new - m < max(1, config.hysteresis * m):
+        return m, limits[new] if new < best else "the predicted best is within the hysteresis"
+    return new, ""
+
+
+def _budget_move(prediction: Prediction, settings: EngineSettings, tuning: Tuning, history: TuningHistory,
+                 target: float, why: str, decide, *, grow: bool) -> Decision:
+    """A new max_num_batched_tokens: ×2 up for prefill that is too slow, or down to the largest budget
+    whose chunks are predicted to meet the ITL target (at most ÷2 per interval)."""
+    bounds = tuning.max_num_batched_tokens
+    assert bounds is not None
+    m = settings.max_num_seqs
+    tokens = settings.max_num_batched_tokens or bounds.max
+    if grow:
+        new = bounds.clamp(tokens * prediction.config.tokens_step)
+    else:
+        fits = min(prediction.budget_for(m, target), tokens)
+        new = max(math.floor(fits), math.ceil(tokens / prediction.config.tokens_step), bounds.min, m)
+    if new == tokens:
+        return decide(settings, f"{why}; max_num_batched_tokens is at its bound {tokens}: holding", history,
+                      unreachable=not grow)
+    return decide(settings.replace(max_num_batched_tokens=new),
+                  f"{why}: max_num_batched_tokens {tokens} → {new}", history)
+
+
+def _best_seen(samples: tuple[Sample, ...]) -> int | None:
+    """The setting whose window served the most tokens per second."""
+    return max(samples, key=lambda s: s.tokens_per_second).max_num_seqs if samples else None
+
+
+def _after_oom(settings: EngineSettings, tuning: Tuning, history: TuningHistory, oom_kills: int,
+               config: TunerConfig, decide) -> Decision:
+    """Down two memory steps after an out-of-memory kill, never again up to that fraction; at the
+    lowest fraction allowed, fewer sequences instead."""
+    mem, m = settings.gpu_memory_utilization, settings.max_num_seqs
+    ceiling = mem if history.oom_memory_ceiling is None else min(mem, history.oom_memory_ceiling)
+    hist = replace(history, oom_memory_ceiling=ceiling)
+    lowered = tuning.gpu_memory_utilization.clamp(mem - 2 * config.memory_step)
+    if lowered < mem:
+        return decide(settings.replace(gpu_memory_utilization=lowered),
+                      f"{oom_kills} pod(s) ran out of memory at gpu_memory_utilization {mem:g}: lowering it to "
+                      f"{lowered:g}", hist)
+    backed = tuning.max_num_seqs.clamp(m * 0.75)
+    return decide(_with_seqs(settings, backed),
+                  f"{oom_kills} pod(s) ran out of memory at the lowest allowed gpu_memory_utilization {mem:g}: "
+                  f"lowering max_num_seqs {m} → {backed}", hist)
 
 
 def _with_seqs(settings: EngineSettings, seqs: int) -> EngineSettings:
@@ -398,56 +581,13 @@ def _with_seqs(settings: EngineSettings, seqs: int) -> EngineSettings:
 
 
 def _tail_at_setting(samples: tuple[Sample, ...], seqs: int) -> list[Sample]:
+    """The latest windows in a row at ``seqs``."""
     tail: list[Sample] = []
     for s in reversed(samples):
         if s.max_num_seqs != seqs:
             break
         tail.append(s)
-    return list(reversed(tail)) or [samples[-1]]
-
-
-def _bracket(samples: tuple[Sample, ...], current: int, config: TunerConfig) -> tuple[int | None, int | None, str]:
-    """The largest setting whose latest window met the SLO, and the smallest above ``current``
-    not worth having.
-
-    A setting is not worth having when its latest verdict violated the SLO (and
-    the batch actually reached it), confirmed by more than one window, or when,
-    saturated, it gave less throughput than a smaller setting did.
-    """
-    latest: dict[int, Sample] = {}
-    violations: dict[int, int] = {}
-    for s in samples:
-        if _draining(s, config) or (s.violated and s.batch < config.saturation_fill * s.max_num_seqs):
-            continue
-        latest[s.max_num_seqs] = s
-        violations[s.max_num_seqs] = violations.get(s.max_num_seqs, 0) + s.violated
-    good = max((k for k, s in latest.items() if not s.violated), default=None)
-    # A violation seen in a single window backs the setting off (tune does that at once) but does
-    # not rule it out: on a busy machine a stall now and then lands in a window's P99. A verdict
-    # resting on several windows, or a second one, does.
-    violated = min(
-        (
-            k
-            for k, s in latest.items()
-            if s.violated and k > current and (s.evidence_windows > 1 or violations[k] > 1)
-        ),
-        default=None,
-    )
-    slower = None
-    best_below = 0.0
-    for k in sorted(latest):
-        s = latest[k]
-        if k > current and s.saturated and s.tokens_per_second < config.throughput_tolerance * best_below:
-            slower = k
-            break
-        best_below = max(best_below, s.tokens_per_second)
-    if slower is not None and (violated is None or slower < violated):
-        return good, slower, "gave less throughput than a smaller setting"
-    return good, violated, "violated the SLO"
-
-
-def _draining(sample: Sample, config: TunerConfig) -> bool:
-    return sample.batch > sample.max_num_seqs * config.drain_slack
+    return tail
 
 
 def _kv_capacity(observation: Observation, batch: float, config: TunerConfig) -> float | None:
@@ -462,10 +602,9 @@ def _preempting_twice(samples: tuple[Sample, ...]) -> bool:
     return len(samples) >= 2 and samples[-1].preempting and samples[-2].preempting
 
 
-def _raised_memory(
-    mem: float, tuning: Tuning, history: TuningHistory, now: float, config: TunerConfig
-) -> float | None:
-    last = history.last_change("gpuMemoryUtilization")
+def _raised_memory(mem: float, tuning: Tuning, history: TuningHistory, now: float,
+                   config: TunerConfig) -> float | None:
+    last = history.last_change(GPU_MEMORY_UTILIZATION)
     if last is not None and now - last.time < config.memory_cooldown_seconds:
         return None
     raised = tuning.gpu_memory_utilization.clamp(mem + config.memory_step)
@@ -475,13 +614,4 @@ def _raised_memory(
     return raised if raised > mem else None
 
 
-__all__ = [
-    "Change",
-    "Decision",
-    "LatencyFit",
-    "Sample",
-    "TunerConfig",
-    "TuningHistory",
-    "fit_latency",
-    "tune",
-]
+__all__ = ["Change", "Decision", "Prediction", "Sample", "TunerConfig", "TuningHistory", "tune"]

@@ -59,6 +59,22 @@ def test_a_new_max_num_seqs_goes_to_the_configmap_and_every_ready_engine():
     assert result.memory.tuning == result.decision.history
 
 
+def test_an_slo_no_setting_meets_is_a_warning_event_once_not_every_interval():
+    # About 1.4 s an inter-token gap at any batch against a 0.1 s SLO: the tuner looks down to the
+    # bound, finds it out of reach there too, says so once and keeps the best throughput it saw.
+    memory, settings, events, decisions = Memory(), IN_EFFECT, [], []
+    for step in range(6):
+        batch = float(settings.max_num_seqs)
+        obs = observation(itl_p99=1.4 + 0.005 * batch, mean_running_per_pod=batch, max_num_seqs=settings.max_num_seqs,
+                          output_tokens_per_second=40.0 * batch)
+        result = _plan(replace(reading(obs, in_effect=settings), now=1000.0 + INTERVAL * step), memory)
+        memory, settings = result.memory, result.live
+        events += [e for e in result.events if e.reason == "SLOUnreachable"]
+        decisions.append(result.decision)
+    assert len(events) == 1 and events[0].type == "Warning" and "no maxNumSeqs within 1..64" in events[0].message
+    assert decisions[-1].slo_unreachable and settings.max_num_seqs == 16, [d.reason for d in decisions]
+
+
 def test_without_a_change_only_engines_that_run_other_values_are_pushed():
     quiet = observation(itl_samples=10.0)  # too little traffic: the tuner holds
     result = _plan(reading(quiet, reported={"a": 16, "b": 4}))
