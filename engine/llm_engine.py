@@ -20,33 +20,24 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpilot.engine.attention import get_attention_backend
-from kvpilot.engine.config import (
-    ConfigError,
-    EngineConfig,
-    ResolvedConfig,
-    blocks_from_budget,
-    default_cpu_kv_cache_memory,
-    kv_block_bytes,
-    resolve_max_model_len,
-    resolve_max_num_batched_tokens,
-)
+from kvpilot.engine.config import EngineConfig, ResolvedConfig
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.model_runner import ModelRunner
-from kvpilot.engine.models import CausalLM, ModelArch, load_model, load_tokenizer, read_model_arch, saved_dtype
+from kvpilot.engine.models import CausalLM, ModelArch
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpilot.engine.request import InvalidRequestError, Request, RequestStatus
-from kvpilot.engine.sampler import Sampler, SamplingInput
+from kvpilot.engine.sampler import SamplingInput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.spec_decode.draft_proposer import DraftModelProposer
 from kvpilot.engine.spec_decode.ngram_proposer import NgramProposer
-from kvpilot.engine.spec_decode.speculator import SpecDecodeStats, Speculator
+from kvpilot.engine.spec_decode.speculator import NoSpeculation, SpecDecodeStats, Speculator
+from kvpilot.engine.startup import start
 from kvpilot.engine.step_cost import StepCost, StepCostSnapshot
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A file to append one JSON line per step to (its composition and duration), for finding which
 # steps make the latency tail under a serving load; see docs/performance.md.
 STEP_TRACE_ENV = "KVPILOT_STEP_TRACE"
@@ -155,83 +146,13 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        arch = read_model_arch(config.model)
-        device = _resolve_device(config.device)
-        dtype = _resolve_dtype(config.dtype, config.model, device)
-        max_model_len = _resolve_max_model_len(config, arch)
-        max_num_batched_tokens = resolve_max_num_batched_tokens(config, max_model_len)
-        backend_name = config.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if device == "cuda" else "torch"
+        """Resolve the config, load the model and size the KV cache (engine/startup.py), then build."""
+        return cls(*start(config))
 
-        torch.manual_seed(config.seed)
-        started = time.perf_counter()
-        model = load_model(config.model, _TORCH_DTYPES[dtype], torch.device(device), config.quantization)
-        if device == "cpu":
-            model.pack_weights_for_cpu(batch_size_hint=config.max_num_seqs)
-        draft_model = None
-        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
-            draft_model = _load_draft_model(config, arch, _TORCH_DTYPES[dtype], device, max_model_len)
-        weights_loaded = time.perf_counter()
-        tokenizer = load_tokenizer(config.model)
-        tokenizer_loaded = time.perf_counter()
-        runner = ModelRunner(
-            model,
-            device=torch.device(device),
-            block_size=config.block_size,
-            backend=get_attention_backend(backend_name),
-            sampler=Sampler(arch.eos_token_ids),
-        )
-        block_bytes = kv_block_bytes(
-            block_size=config.block_size,
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            dtype_bytes=_TORCH_DTYPES[dtype].itemsize,
-        )
-        if draft_model is not None:  # the draft's KV cache has as many blocks as the target's
-            draft_arch = draft_model.arch
-            block_bytes += kv_block_bytes(
-                block_size=config.block_size,
-                num_layers=draft_arch.num_layers,
-                num_kv_heads=draft_arch.num_kv_heads,
-                head_dim=draft_arch.head_dim,
-                dtype_bytes=_TORCH_DTYPES[dtype].itemsize,
-            )
-        budget, source = _kv_cache_budget(config, runner, device, max_model_len, max_num_batched_tokens, block_bytes)
-        num_blocks = blocks_from_budget(
-            budget_bytes=budget,
-            block_bytes=block_bytes,
-            block_size=config.block_size,
-            max_model_len=max_model_len,
-            source=source,
-        )
-        runner.allocate_kv_cache(num_blocks)
-        if device == "cuda" and not config.enforce_eager and backend_name == "triton":
-            # Decode batches grow to max_num_seqs; a live increase beyond it runs eagerly.
-            runner.enable_cuda_graphs(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
-        resolved = ResolvedConfig(
-            device=device,
-            dtype=dtype,
-            attention_backend=backend_name,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_kv_blocks=num_blocks,
-            kv_block_bytes=block_bytes,
-        )
-        logger.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d; weights loaded "
-            "in %.1f s, tokenizer in %.1f s, KV cache sized (profiling forward, warm-up) in %.1f s",
-            arch.architecture, device, dtype, num_blocks, config.block_size,
-            num_blocks * block_bytes / 1024**2, max_model_len, weights_loaded - started,
-            tokenizer_loaded - weights_loaded, time.perf_counter() - tokenizer_loaded,
-        )
-        return cls(config, resolved, arch, tokenizer, runner, draft_model)
-
-    def _build_speculator(self, draft_model: CausalLM | None) -> Speculator | None:
+    def _build_speculator(self, draft_model: CausalLM | None) -> Speculator | NoSpeculation:
         spec = self.config.speculative_config
         if spec is None:
-            return None
+            return NoSpeculation()
         if draft_model is None:
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
@@ -328,11 +249,6 @@ class LLMEngine:
 
     def set_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
         """Change how many tokens speculative decoding proposes per step (0 pauses it), live."""
-        if self.speculator is None:
-            raise ValueError(
-                "num_speculative_tokens: this engine runs without speculative decoding; start it with "
-                "speculative_config (kvpilot serve --speculative-config '{\"method\": \"ngram\", ...}')"
-            )
         self.speculator.set_num_speculative_tokens(num_speculative_tokens)
 
     # ----------------------------------------------------------------- stepping
@@ -358,48 +274,37 @@ class LLMEngine:
 
         forward_before = self.runner.forward_seconds
         result = self.runner.execute(step)
-        if self.speculator is not None:
-            inputs = result.inputs
-            self.speculator.observe(inputs.input_ids, inputs.positions, inputs.metadata)
+        inputs = result.inputs
+        self.speculator.observe(inputs.input_ids, inputs.positions, inputs.metadata)
+
+        logprobs_of = dict(zip((r.request_id for r in result.sampled_requests), result.logprobs))
+
+        def on_token(request: Request, token_id: int) -> RequestStatus | None:
+            sequence = sequences[request.request_id]
+            self._generation_tokens_total += 1
+            logprobs = logprobs_of[request.request_id]
+            if sequence.logprobs is not None and logprobs is not None:
+                sequence.logprobs.append(logprobs)
+                sequence.cumulative_logprob += logprobs.get(token_id, 0.0)
+            return self._check_stop(request, sequence, token_id)
+
+        update = self.scheduler.update_from_output(
+            zip(result.sampled_requests, result.token_ids, result.num_drafts), on_token)
+        self.speculator.record(result.num_drafts, result.token_ids)
+        self.speculator.propose(update.still_running, self.scheduler.num_running)
 
         now = time.monotonic()
         advanced: dict[str, _RequestState] = {}
-        finished: dict[RequestStatus, list[Request]] = {}
-        still_running: list[Request] = []
-        for request, token_ids, logprobs, num_drafts in zip(
-            result.sampled_requests, result.token_ids, result.logprobs, result.num_drafts
-        ):
-            sequence = sequences[request.request_id]
-            state = sequence.state
-            request.spec_token_ids = []
-            status = None
-            for token_id in token_ids:  # one token, or accepted proposals plus one: each checked for a stop
-                request.append_output_token(token_id)
-                self._generation_tokens_total += 1
-                if sequence.logprobs is not None and logprobs is not None:
-                    sequence.logprobs.append(logprobs)
-                    sequence.cumulative_logprob += logprobs.get(token_id, 0.0)
-                status = self._check_stop(request, sequence, token_id)
-                if status is not None:
-                    break
-            if status is not None:
-                finished.setdefault(status, []).append(request)
-                state.num_unfinished -= 1
-            else:
-                if num_drafts:
-                    self.scheduler.rollback(request, num_drafts - (len(token_ids) - 1))
-                still_running.append(request)
+        for request in update.finished:
+            sequences[request.request_id].state.num_unfinished -= 1
+        for request in update.sampled:
+            state = sequences[request.request_id].state
             advanced[state.request_id] = state
             metrics = state.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
                 self._prompt_tokens_total += len(state.prompt_token_ids)
             metrics.last_token_time = now
-        for status, requests in finished.items():
-            self.scheduler.finish_requests(requests, status)
-        if self.speculator is not None:
-            self.speculator.record(result.num_drafts, result.token_ids)
-            self.speculator.propose(still_running, self.scheduler.num_running)
 
         outputs = []
         for state in advanced.values():
@@ -454,8 +359,8 @@ class LLMEngine:
             step_seconds_total=self._step_seconds_total,
             step_cost=self._step_cost.snapshot(),
             forward_seconds_total=self.runner.forward_seconds,
-            num_speculative_tokens=None if self.speculator is None else self.speculator.num_speculative_tokens,
-            spec_decode=None if self.speculator is None else self.speculator.stats(),
+            num_speculative_tokens=self.speculator.num_speculative_tokens if self.speculator.enabled else None,
+            spec_decode=self.speculator.stats(),
         )
 
     # ----------------------------------------------------------------- helpers
@@ -538,92 +443,3 @@ class LLMEngine:
                 )
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise InvalidRequestError(f"logprobs: at most the vocabulary size ({vocab_size}), got {params.logprobs}")
-
-
-def _load_draft_model(
-    config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: str, max_model_len: int
-) -> CausalLM:
-    path = config.speculative_config.model
-    draft_arch = read_model_arch(path)
-    if draft_arch.vocab_size != arch.vocab_size:
-        raise ConfigError(
-            f"speculative_config.model: the draft's vocabulary has {draft_arch.vocab_size} tokens but the target's "
-            f"has {arch.vocab_size}; use a draft model with the target's tokenizer"
-        )
-    if draft_arch.max_position_embeddings < max_model_len:
-        raise ConfigError(
-            f"speculative_config.model: the draft handles {draft_arch.max_position_embeddings} positions, fewer "
-            f"than max_model_len ({max_model_len}); lower max_model_len or use another draft"
-        )
-    draft = load_model(path, dtype, torch.device(device), quantization="auto")  # a packed draft stays packed
-    if device == "cpu":
-        draft.pack_weights_for_cpu(batch_size_hint=config.speculative_config.disable_by_batch_size)
-    return draft
-
-
-def _resolve_max_model_len(config: EngineConfig, arch: ModelArch) -> int:
-    max_model_len = resolve_max_model_len(config, arch.max_position_embeddings)
-    if arch.sliding_window is not None and max_model_len > arch.sliding_window:
-        if config.max_model_len is not None:
-            raise ConfigError(
-                f"max_model_len ({max_model_len}) exceeds the model's sliding window ({arch.sliding_window}); "
-                "sliding-window attention is not supported, so lower max_model_len to at most the window"
-            )
-        max_model_len = arch.sliding_window
-    return max_model_len
-
-
-def _kv_cache_budget(
-    config: EngineConfig,
-    runner: ModelRunner,
-    device: str,
-    max_model_len: int,
-    max_num_batched_tokens: int,
-    block_bytes: int,
-) -> tuple[int, str]:
-    """(bytes for the KV cache, the setting they come from, for error messages)."""
-    if config.kv_cache_memory is not None:
-        return config.kv_cache_memory, "kv_cache_memory"
-    if device == "cpu":
-        return default_cpu_kv_cache_memory(config, max_model_len, block_bytes), "kv_cache_memory (default)"
-    return _profile_kv_budget(runner, config, max_num_batched_tokens), "gpu_memory_utilization"
-
-
-def _resolve_device(device: str) -> str:
-    cuda = torch.cuda.is_available()
-    if device == "auto":
-        return "cuda" if cuda else "cpu"
-    if device == "cuda" and not cuda:
-        raise ConfigError("device: 'cuda' was requested but no CUDA device is visible; use device='cpu'")
-    return device
-
-
-def _resolve_dtype(dtype: str, model_path: str, device: str) -> str:
-    if dtype != "auto":
-        if dtype == "float16" and device == "cpu":
-            raise ConfigError("dtype: float16 is not supported on CPU; use bfloat16 or float32")
-        return dtype
-    saved = saved_dtype(model_path)
-    if saved in _TORCH_DTYPES and not (saved == "float16" and device == "cpu"):
-        return saved
-    return "bfloat16" if device == "cuda" else "float32"
-
-
-def _profile_kv_budget(runner: ModelRunner, config: EngineConfig, max_num_batched_tokens: int) -> int:
-    """Bytes left for the KV cache: the device's share minus weights, peak activations and other users."""
-    _, total = torch.cuda.mem_get_info()
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-    inputs = [
-        SamplingInput(params=params, prompt_token_ids=[0], output_token_ids=[], generator=None)
-        for _ in range(config.max_num_seqs)
-    ]
-    peak = runner.profile_peak_memory(max_num_batched_tokens, config.max_num_seqs, inputs)
-    free_after, _ = torch.cuda.mem_get_info()
-    # Memory held outside torch's allocator (CUDA context, other processes) counts against the share too.
-    non_torch = (total - free_after) - torch.cuda.memory_reserved()
-    budget = int(total * config.gpu_memory_utilization) - peak - max(non_torch, 0)
-    logger.info(
-        "memory profile: total %.2f GiB, share %.2f, peak torch %.2f GiB, other %.2f GiB -> KV budget %.2f GiB",
-        total / 1024**3, config.gpu_memory_utilization, peak / 1024**3, non_torch / 1024**3, budget / 1024**3,
-    )
-    return budget

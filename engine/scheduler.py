@@ -20,7 +20,7 @@ prefix cache keeps their full blocks, so re-admission recomputes little).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpilot.engine.kv_cache_manager import KVCacheManager
@@ -41,6 +41,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+
+@dataclass
+class StepUpdate:
+    """What a step's output did to the sequences, in batch order."""
+
+    sampled: list[Request] = field(default_factory=list)  # took tokens this step
+    still_running: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -171,6 +180,37 @@ class Scheduler:
             total_num_scheduled_tokens=self.limits.max_num_batched_tokens - budget,
             preempted=preempted,
         )
+
+    def update_from_output(
+        self,
+        sampled: Iterable[tuple[Request, Sequence[int], int]],
+        on_token: Callable[[Request, int], RequestStatus | None],
+    ) -> StepUpdate:
+        """After a forward: each sampled sequence (with its new tokens — one, or its accepted
+        proposals plus one — and how many proposals it verified) takes its tokens one at a time
+        until ``on_token`` (the engine's detokenizer and stop checks) says it finished; the rejected
+        proposals of the others are rolled back; finished sequences are retired, their blocks freed."""
+        update = StepUpdate()
+        finished: dict[RequestStatus, list[Request]] = {}
+        for request, token_ids, num_drafts in sampled:
+            update.sampled.append(request)
+            request.spec_token_ids = []
+            status = None
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                status = on_token(request, token_id)
+                if status is not None:
+                    break
+            if status is not None:
+                finished.setdefault(status, []).append(request)
+                update.finished.append(request)
+            else:
+                if num_drafts:
+                    self.rollback(request, num_drafts - (len(token_ids) - 1))
+                update.still_running.append(request)
+        for status, requests in finished.items():
+            self.finish_requests(requests, status)
+        return update
 
     def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
         """Retire sequences (finished or aborted): their KV blocks are freed at once."""

@@ -55,7 +55,35 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
+class NoSpeculation:
+    """The speculator of an engine started without speculative decoding: it never proposes, so every
+    step verifies nothing and the engine's step needs no special case for it."""
+
+    enabled = False
+    num_speculative_tokens = 0
+
+    def set_num_speculative_tokens(self, value: int) -> None:
+        raise ValueError(
+            "num_speculative_tokens: this engine runs without speculative decoding; start it with "
+            "speculative_config (kvpilot serve --speculative-config '{\"method\": \"ngram\", ...}')"
+        )
+
+    def observe(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+        pass
+
+    def propose(self, requests: Sequence[Request], num_running: int) -> None:
+        pass
+
+    def record(self, num_drafts: Sequence[int], token_ids: Sequence[Sequence[int]]) -> None:
+        pass
+
+    def stats(self) -> None:
+        return None
+
+
 class Speculator:
+    enabled = True
+
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
         self.config = config
         self.proposer = proposer
