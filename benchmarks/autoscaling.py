@@ -46,7 +46,7 @@ from kvpilot.localcluster import testing
 from kvpilot.operator import builders
 from kvpilot.operator.autoscaler import ScalingPolicy
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.status import pod_ready
+from kvpilot.kube_contract import pod_ready
 from serving_common import PoissonLoad, generated_model
 
 REPO = Path(__file__).resolve().parent.parent

@@ -58,7 +58,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from kvpilot.gateway.server import serve
     from kvpilot.gateway.settings import GatewaySettings
-    from kvpilot.operator.cli import watched_namespaces
+    from kvpilot.kube_contract import watched_namespaces
 
     try:
         settings = GatewaySettings(
@@ -68,11 +68,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise SystemExit(f"kvpilot gateway: {exc}") from None
-    try:
-        namespaces = watched_namespaces(args, os.environ)
-    except SystemExit:
-        raise SystemExit("kvpilot gateway: give --namespace NS (repeatable) or --all-namespaces "
-                         "(or set KVPILOT_NAMESPACES)") from None
+    namespaces = watched_namespaces(args.all_namespaces, args.namespace, os.environ, "kvpilot gateway")
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(settings, namespaces, args.kubeconfig, args.context))
     return 0

@@ -18,7 +18,7 @@ import aiohttp
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
-from kvpilot.operator import spec
+from kvpilot import kube_contract
 
 WATCH_SECONDS = 60  # the API server ends each watch after this long; the watcher resumes from its version
 
@@ -51,7 +51,7 @@ def collection_path(api_version: str, plural: str, namespace: str | None) -> str
 
 
 def inference_services_path(namespace: str | None) -> str:
-    return collection_path(spec.API_VERSION, spec.PLURAL, namespace)
+    return collection_path(kube_contract.API_VERSION, kube_contract.PLURAL, namespace)
 
 
 def pods_path(namespace: str | None) -> str:
@@ -133,7 +133,7 @@ class Kube:
     async def request_replica(self, namespace: str, name: str) -> bool:
         """Scale subresource 0 -> 1, only if it is still 0 (the write names the resourceVersion it read), so
         gateway replicas and the autoscaler never undo each other. True if this call changed it."""
-        path = collection_path(spec.API_VERSION, spec.PLURAL, namespace) + f"/{quote(name)}/scale"
+        path = collection_path(kube_contract.API_VERSION, kube_contract.PLURAL, namespace) + f"/{quote(name)}/scale"
         scale = await self.request("GET", path)
         if (scale.get("spec") or {}).get("replicas", 0) != 0:  # omitted when 0
             return False

@@ -13,9 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator import builders
-from kvpilot.operator.engine_client import pod_url
-from kvpilot.operator.status import pod_ready
+from kvpilot import kube_contract as kube
+from kvpilot.kube_contract import pod_ready, pod_url
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ def backends_of(namespace: str, service: str, pods: Iterable[dict[str, Any]]) ->
     found = []
     for pod in pods:
         meta = pod["metadata"]
-        if meta.get("namespace") != namespace or (meta.get("labels") or {}).get(builders.INSTANCE_LABEL) != service:
+        if meta.get("namespace") != namespace or (meta.get("labels") or {}).get(kube.INSTANCE_LABEL) != service:
             continue
         ip = (pod.get("status") or {}).get("podIP")
         if ip and not meta.get("deletionTimestamp") and pod_ready(pod):
@@ -84,6 +83,4 @@ def build_routes(services: Iterable[dict[str, Any]], pods: Iterable[dict[str, An
 
 def engine_pod_selector() -> str:
     """Label selector of every engine pod the operator runs (all services)."""
-    labels = {builders.NAME_LABEL: builders.APP_NAME, builders.COMPONENT_LABEL: builders.COMPONENT,
-              builders.MANAGED_BY_LABEL: builders.MANAGED_BY}
-    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return ",".join(f"{k}={v}" for k, v in sorted(kube.ENGINE_LABELS.items()))

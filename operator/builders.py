@@ -40,13 +40,15 @@ ADMIN_TOKEN_KEY = "token"
 # The image's non-root user (see the Dockerfile).
 RUN_AS_USER = 10001
 
-APP_NAME = "kvpilot"
-COMPONENT = "engine"
-MANAGED_BY = "kvpilot-operator"
-NAME_LABEL = "app.kubernetes.io/name"
-INSTANCE_LABEL = "app.kubernetes.io/instance"
-COMPONENT_LABEL = "app.kubernetes.io/component"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+from kvpilot.kube_contract import (  # noqa: E402 (labels: shared with the gateway)
+    APP_NAME,
+    COMPONENT_LABEL,
+    INSTANCE_LABEL,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    NAME_LABEL,
+)
+from kvpilot.kube_contract import ENGINE_COMPONENT as COMPONENT  # noqa: E402
 
 
 def tuning_configmap_name(name: str) -> str:

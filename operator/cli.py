@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+from kvpilot.kube_contract import watched_namespaces
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,22 +64,6 @@ def _print_crd(args: argparse.Namespace) -> int:
     return 0
 
 
-def watched_namespaces(args: argparse.Namespace, env: dict[str, str] | os._Environ) -> list[str] | None:
-    """Namespaces to watch, or None for all of them."""
-    if args.all_namespaces:
-        return None
-    if args.namespace:
-        return list(args.namespace)
-    configured = [ns.strip() for ns in env.get("KVPILOT_NAMESPACES", "").split(",") if ns.strip()]
-    if configured == ["*"]:
-        return None
-    if configured:
-        return configured
-    if os.path.exists(NAMESPACE_FILE):
-        with open(NAMESPACE_FILE) as f:
-            return [f.read().strip()]
-    raise SystemExit("kvpilot operator: give --namespace NS (repeatable) or --all-namespaces "
-                     "(or set KVPILOT_NAMESPACES)")
 
 
 def _run_operator(args: argparse.Namespace) -> int:
@@ -98,7 +82,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         "log_level": args.log_level,
     }
     settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-    namespaces = watched_namespaces(args, os.environ)
+    namespaces = watched_namespaces(args.all_namespaces, args.namespace, os.environ, "kvpilot operator")
 
     from kvpilot.operator.runner import run_operator
 

@@ -34,8 +34,9 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from kvpilot import engine_contract as contract
-from kvpilot.operator import builders, operator_metrics, reconcile, status
-from kvpilot.operator.engine_client import EngineClient, admin_url, pod_url
+from kvpilot.kube_contract import pod_ready, pod_url
+from kvpilot.operator import builders, operator_metrics, reconcile
+from kvpilot.operator.engine_client import EngineClient, admin_url
 from kvpilot.operator.engine_metrics import MetricsCollector
 from kvpilot.operator.gateway_demand import GatewayDemand
 from kvpilot.operator.kube import Kube
@@ -161,7 +162,7 @@ class ControlLoop:
         pods = self.kube.list("v1", "Pod", namespace, label_selector=builders.selector_string(name))
         live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         ready = {p["metadata"]["name"]: pod_url(p["status"]["podIP"]) for p in live
-                 if status.pod_ready(p) and (p.get("status") or {}).get("podIP")}
+                 if pod_ready(p) and (p.get("status") or {}).get("podIP")}
         return live, ready
 
     def _restart_windows(self, service: ServiceLoop, namespace: str, name: str) -> None:

@@ -17,9 +17,10 @@ from typing import Any
 
 import yaml
 
+from kvpilot import kube_contract
 from kvpilot.operator import spec
 
-CRD_FILE_NAME = f"{spec.GROUP}_{spec.PLURAL}.yaml"
+CRD_FILE_NAME = f"{kube_contract.GROUP}_{kube_contract.PLURAL}.yaml"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CRD_PATHS = (REPO_ROOT / "crds" / CRD_FILE_NAME, REPO_ROOT / "charts" / "kvpilot" / "crds" / CRD_FILE_NAME)
 HEADER = "# Generated from kvpilot/operator/spec.py by `python -m kvpilot.operator.crd --write`. Do not edit.\n"
@@ -137,23 +138,23 @@ def build_crd() -> dict[str, Any]:
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{spec.PLURAL}.{spec.GROUP}",
+            "name": f"{kube_contract.PLURAL}.{kube_contract.GROUP}",
             "labels": {"app.kubernetes.io/name": "kvpilot", "app.kubernetes.io/part-of": "kvpilot"},
         },
         "spec": {
-            "group": spec.GROUP,
+            "group": kube_contract.GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": spec.KIND,
-                "listKind": f"{spec.KIND}List",
-                "plural": spec.PLURAL,
+                "kind": kube_contract.KIND,
+                "listKind": f"{kube_contract.KIND}List",
+                "plural": kube_contract.PLURAL,
                 "singular": spec.SINGULAR,
                 "shortNames": list(spec.SHORT_NAMES),
                 "categories": ["kvpilot", "all"],
             },
             "versions": [
                 {
-                    "name": spec.VERSION,
+                    "name": kube_contract.VERSION,
                     "served": True,
                     "storage": True,
                     "schema": {"openAPIV3Schema": root_schema},

@@ -27,11 +27,6 @@ from kvpilot.operator.spec import EngineSettings
 T = TypeVar("T")
 
 
-def pod_url(pod_ip: str) -> str:
-    """The base URL of an engine pod's OpenAI API and /metrics."""
-    return f"http://{pod_ip}:{contract.ENGINE_PORT}"
-
-
 def admin_url(pod_ip: str) -> str:
     """The base URL of an engine pod's admin API: its own port, which the Service does not expose."""
     return f"http://{pod_ip}:{contract.ADMIN_PORT}"

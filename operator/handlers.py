@@ -22,13 +22,14 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import builders, control_loop, operator_metrics, reconcile, spec
+from kvpilot import kube_contract
+from kvpilot.operator import builders, control_loop, operator_metrics, reconcile
 from kvpilot.operator.engine_client import EngineClient
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.settings import OperatorSettings
 
-ANNOTATION_PREFIX = spec.GROUP
-FINALIZER = f"{spec.GROUP}/finalizer"
+ANNOTATION_PREFIX = kube_contract.GROUP
+FINALIZER = f"{kube_contract.GROUP}/finalizer"
 # A failed reconcile (API server hiccup, a conflict) is retried this soon.
 RETRY_BACKOFF_SECONDS = 5.0
 
@@ -67,7 +68,7 @@ def post_outcome(body: Any, outcome: reconcile.Outcome) -> None:
 
 
 def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
-    resource = (spec.GROUP, spec.VERSION, spec.PLURAL)
+    resource = (kube_contract.GROUP, kube_contract.VERSION, kube_contract.PLURAL)
     child_labels = {builders.MANAGED_BY_LABEL: builders.MANAGED_BY}
 
     @kopf.on.startup(registry=registry)

@@ -19,7 +19,7 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from kvpilot.operator import spec
+from kvpilot import kube_contract
 
 FIELD_MANAGER = "kvpilot"
 
@@ -34,7 +34,7 @@ _PLURALS = {
     ("apps/v1", "ReplicaSet"): "replicasets",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("coordination.k8s.io/v1", "Lease"): "leases",
-    (spec.API_VERSION, spec.KIND): spec.PLURAL,
+    (kube_contract.API_VERSION, kube_contract.KIND): kube_contract.PLURAL,
 }
 
 
@@ -164,13 +164,13 @@ class Kube:
     # --- InferenceService --------------------------------------------------------------
 
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.get(spec.API_VERSION, spec.KIND, namespace, name)
+        return self.get(kube_contract.API_VERSION, kube_contract.KIND, namespace, name)
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         """JSON merge patch of the status subresource: only the given fields change, so other writers'
         fields (the tuner's ``metrics`` and ``tuning``) stay; a None value removes a field."""
         return self.request(
-            "PATCH", resource_path(spec.API_VERSION, spec.KIND, namespace, name, "status"),
+            "PATCH", resource_path(kube_contract.API_VERSION, kube_contract.KIND, namespace, name, "status"),
             {"status": status}, content_type="application/merge-patch+json",
         )
 
@@ -185,19 +185,19 @@ class Kube:
     def crd_installed(self) -> bool:
         """Whether the API server serves InferenceServices (discovery needs no RBAC beyond being authenticated)."""
         try:
-            group = self.request("GET", f"/apis/{spec.API_VERSION}")
+            group = self.request("GET", f"/apis/{kube_contract.API_VERSION}")
         except KubeError as exc:
             if exc.status == 404:
                 return False
             raise
-        return any(r.get("name") == spec.PLURAL for r in group.get("resources") or [])
+        return any(r.get("name") == kube_contract.PLURAL for r in group.get("resources") or [])
 
     # --- autoscaling (operator/control_loop.py) ------------------------------------------
 
     def scale_inference_service(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Sets spec.replicas through the scale subresource (the same door HPA and KEDA use)."""
         return self.request(
-            "PATCH", resource_path(spec.API_VERSION, spec.KIND, namespace, name, "scale"),
+            "PATCH", resource_path(kube_contract.API_VERSION, kube_contract.KIND, namespace, name, "scale"),
             {"spec": {"replicas": replicas}}, content_type="application/merge-patch+json",
         )
 

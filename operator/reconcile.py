@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvpilot.kube_contract import pod_ready
 from kvpilot.operator import builders, operator_metrics, status, tuning_configmap
 from kvpilot.operator.kube import Kube, KubeError
 from kvpilot.operator.settings import OperatorSettings
@@ -141,7 +142,7 @@ def refresh_status(kube: Kube, body: dict[str, Any], *, spec: InferenceServiceSp
             in_effect = read_settings_in_effect(kube, name, namespace, spec)
         deployment = kube.get("apps/v1", "Deployment", namespace, name)
         pods = kube.list("v1", "Pod", namespace, label_selector=builders.selector_string(name))
-        unready = {p["metadata"]["name"] for p in pods if not status.pod_ready(p)}
+        unready = {p["metadata"]["name"] for p in pods if not pod_ready(p)}
         events = kube.pod_events(namespace, unready)
         new_status = status.compute_status(
             name=name, namespace=namespace, spec=spec,

@@ -23,11 +23,6 @@ from pydantic.alias_generators import to_camel
 
 from kvpilot.engine_contract import MAX_NUM_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
-GROUP = "kvpilot.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ("kvis",)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from kvpilot.kube_contract import pod_ready
 from kvpilot.operator import builders
 from kvpilot.operator.autoscaler import ScaleDecision
 from kvpilot.operator.engine_metrics import ServiceMetrics
@@ -74,11 +75,6 @@ def diagnose_pods(spec: InferenceServiceSpec, pods: list[dict[str, Any]],
         if problem is not None:
             problems.append(problem)
     return sorted(problems, key=lambda p: (REASON_PRIORITY.index(p.reason), p.pod))
-
-
-def pod_ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
 
 
 def _diagnose_pod(spec: InferenceServiceSpec, pod: dict[str, Any], events: list[dict[str, Any]]) -> Problem | None:

@@ -9,7 +9,7 @@ import pytest
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.status import pod_ready
+from kvpilot.kube_contract import pod_ready
 
 
 @pytest.fixture(scope="module")

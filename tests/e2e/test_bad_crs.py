@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
+from kvpilot import kube_contract
 from kvpilot.operator import crd, spec
 
 pytestmark = pytest.mark.e2e
@@ -27,13 +28,13 @@ NAMESPACE = "default"
 def cluster(local_cluster):
     """The local control plane with the CRD installed and established."""
     local_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd.CRD_PATHS[0]))
-    local_cluster.kubectl("wait", "--for=condition=Established", f"crd/{spec.PLURAL}.{spec.GROUP}",
+    local_cluster.kubectl("wait", "--for=condition=Established", f"crd/{kube_contract.PLURAL}.{kube_contract.GROUP}",
                           "--timeout=60s")
     return local_cluster
 
 
 def _dry_run_create(cluster, resource_spec: dict, name: str = "bad"):
-    manifest = {"apiVersion": spec.API_VERSION, "kind": spec.KIND,
+    manifest = {"apiVersion": kube_contract.API_VERSION, "kind": kube_contract.KIND,
                 "metadata": {"name": name, "namespace": NAMESPACE}, "spec": resource_spec}
     return cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
 

@@ -32,7 +32,7 @@ from kvpilot.localcluster import components
 from kvpilot.localcluster.cluster import Health
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders
-from kvpilot.operator.status import pod_ready
+from kvpilot.kube_contract import pod_ready
 from kvpilot.operator.engine_metrics import parse_snapshot
 from kvpilot.operator.spec import EngineSettings, parse_spec
 

@@ -29,7 +29,7 @@ from kvpilot.localcluster.processes import free_port
 from kvpilot.localcluster.testing import ClusterHandle, wait_until
 from kvpilot.operator import crd
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.status import pod_ready
+from kvpilot.kube_contract import pod_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 

@@ -19,7 +19,7 @@ import yaml
 
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
-from kvpilot.operator.status import pod_ready
+from kvpilot.kube_contract import pod_ready
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from kvpilot import engine_contract as contract
-from kvpilot.operator.engine_client import EngineClient, admin_url, pod_url
+from kvpilot.kube_contract import pod_url
+from kvpilot.operator.engine_client import EngineClient, admin_url
 from kvpilot.operator.engine_metrics import MetricsCollector, parse_snapshot
 from kvpilot.operator.spec import EngineSettings
 

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from kvpilot import kube_contract
 from kvpilot.operator import cli
 from kvpilot.operator.settings import OperatorSettings, SettingsError
 
@@ -50,17 +51,21 @@ def _args(*argv):
     return parser.parse_args(["operator", *argv])
 
 
+def _watched(args, env):
+    return kube_contract.watched_namespaces(args.all_namespaces, args.namespace, env, "kvpilot operator")
+
+
 def test_namespace_scope(monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "NAMESPACE_FILE", str(tmp_path / "absent"))
-    assert cli.watched_namespaces(_args("-n", "a", "-n", "b"), {}) == ["a", "b"]
-    assert cli.watched_namespaces(_args("--all-namespaces"), {}) is None
-    assert cli.watched_namespaces(_args(), {"KVPILOT_NAMESPACES": "x, y"}) == ["x", "y"]
-    assert cli.watched_namespaces(_args(), {"KVPILOT_NAMESPACES": "*"}) is None
-    with pytest.raises(SystemExit, match="--all-namespaces"):
-        cli.watched_namespaces(_args(), {})
+    monkeypatch.setattr(kube_contract, "NAMESPACE_FILE", str(tmp_path / "absent"))
+    assert _watched(_args("-n", "a", "-n", "b"), {}) == ["a", "b"]
+    assert _watched(_args("--all-namespaces"), {}) is None
+    assert _watched(_args(), {"KVPILOT_NAMESPACES": "x, y"}) == ["x", "y"]
+    assert _watched(_args(), {"KVPILOT_NAMESPACES": "*"}) is None
+    with pytest.raises(SystemExit, match="kvpilot operator: give --namespace NS .* or --all-namespaces"):
+        _watched(_args(), {})
     (tmp_path / "ns").write_text("kvpilot-system\n")
-    monkeypatch.setattr(cli, "NAMESPACE_FILE", str(tmp_path / "ns"))
-    assert cli.watched_namespaces(_args(), {}) == ["kvpilot-system"]
+    monkeypatch.setattr(kube_contract, "NAMESPACE_FILE", str(tmp_path / "ns"))
+    assert _watched(_args(), {}) == ["kvpilot-system"]
 
 
 def test_namespace_and_all_namespaces_exclude_each_other():

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from kvpilot import kube_contract
 from kvpilot.operator import spec
 
 INVALID = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())
@@ -95,7 +96,7 @@ def test_examples_are_valid(example):
     from kvpilot.operator import crd
 
     doc = yaml.safe_load((crd.REPO_ROOT / "examples" / example).read_text())
-    assert doc["apiVersion"] == spec.API_VERSION and doc["kind"] == spec.KIND
+    assert doc["apiVersion"] == kube_contract.API_VERSION and doc["kind"] == kube_contract.KIND
     assert spec.NAME_RULE.check(doc["metadata"]["name"])
     spec.parse_spec(doc["spec"])
 
