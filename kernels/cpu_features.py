@@ -65,8 +65,12 @@ class CpuFeatures:
 
     @property
     def int8_matmul_isa(self) -> str | None:
-        """The integer dot product the int8-activation kernel can use: ``avx512_vnni`` or None."""
-        return "avx512_vnni" if self.native_bf16 and self.has("avx512_vnni") else None
+        """The integer dot product the int8-activation kernel (cpu_int8_matmul.c) builds with:
+        ``avx512_vnni`` (VPDPBUSD; with AVX-512 BF16 for bfloat16 outputs), else ``avx2``
+        (VPMADDUBSW; FMA and F16C for its float32 sums and float16 scales), else None."""
+        if self.native_bf16 and self.has("avx512_vnni"):
+            return "avx512_vnni"
+        return "avx2" if self.has("avx2", "fma", "f16c") else None
 
     def summary(self) -> str:
         picked = [name for name in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",

@@ -1,21 +1,33 @@
 /*
- * Quantized weights times int8 activations on the CPU (AVX-512 VNNI): out = x @ W.T for bfloat16 x
- * and out, W kept as 4-bit codes with a float16 scale and offset per group (W = code * scale +
- * offset) or as 8-bit codes with a float16 scale per group (W = code * scale).
+ * Quantized weights times int8 activations on the CPU: out = x @ W.T for float32 or bfloat16 x and
+ * out (x's dtype, chosen per call), W kept as 4-bit codes with a float16 scale and offset per group
+ * (W = code * scale + offset) or as 8-bit codes with a float16 scale per group (W = code * scale).
  *
- * At decode batch sizes of 4 and more, a bfloat16 dot product per weight (VDPBF16PS: 32 products an
- * instruction) bounds a step on the CPU whatever the weight's format. Here each row of x is first
- * quantized to int8 in runs of 32 inputs (symmetric, one float32 scale a run: xq = round(x / s),
- * s = max|x| / 127), and codes times xq accumulate in int32 with VPDPBUSD (64 products an
- * instruction). The run's int32 sum is scaled by s in float32, a group's sum by the weight's scale,
- * and a per-row term is added per group: for 4 bits the offset's share, offset * sum(x) (the exact
- * float32 sum of x over the group); for 8 bits the correction of the codes' bias (VPDPBUSD takes one
- * unsigned operand, so 8-bit codes are stored as code + 128, and scale * 128 * sum(s * xq) is taken
- * off again).
+ * At decode batch sizes of 4 and more, a floating-point dot product per weight bounds a step on the
+ * CPU whatever the weight's format. Here each row of x is first quantized to int8 in runs of 32
+ * inputs (symmetric, one float32 scale a run: xq = round(x / s), s = max|x| / 127), and codes times
+ * xq accumulate exactly in integers. The run's integer sum is scaled by s in float32, a group's sum
+ * by the weight's scale, and for 4 bits the offset's share is added per group: offset * sum(x), the
+ * exact float32 sum of x over the group.
  *
- * Layout (built by kvpilot.kernels.cpu_int8_matmul.interleave): per tile of 16 output features and
- * run of 32 inputs, 64-byte vectors in which byte 4 * f + q holds input 4 * j + q of feature f, so
- * one VPDPBUSD multiplies 4 inputs of 16 features by 4 broadcast bytes of xq:
+ * Two instruction sets, chosen when cpu_build.py compiles this file for the machine (-march=native,
+ * less what KVPILOT_CPU_FEATURES removes):
+ * - AVX-512 VNNI (Zen 4, Sapphire Rapids): VPDPBUSD multiplies 64 unsigned-by-signed byte pairs
+ *   and adds them in groups of 4 into 16 int32 lanes, one lane per output feature. Its unsigned
+ *   operand is the weight, so 8-bit codes are stored as code + 128 and scale * 128 * sum(s * xq)
+ *   is taken off per group again.
+ * - AVX2 (Haswell, Zen 1 and later): VPMADDUBSW multiplies 32 unsigned-by-signed byte pairs and
+ *   adds neighbours into 16 int16 lanes, VPMADDWD by ones adds those pairs into 8 int32 lanes, one
+ *   per output feature, so a 16-feature tile is two halves of 8. VPMADDUBSW saturates at int16:
+ *   a 4-bit pair is at most 2 * 15 * 127 = 3810, so the int16 lanes of a whole run (8 products
+ *   of pairs) sum to at most 30480 before one VPMADDWD widens them. An 8-bit pair could reach
+ *   2 * 255 * 127, so the codes are made signed again (xor 128) and multiplied as |code| times
+ *   xq with the code's sign (VPSIGNB), at most 2 * 128 * 127 = 32512, widened after each product.
+ *
+ * Layout (built by kvpilot.kernels.cpu_int8_matmul.interleave, the same for both instruction sets):
+ * per tile of 16 output features and run of 32 inputs, 64-byte vectors in which byte 4 * f + q
+ * holds input 4 * j + q of feature f, so 4 broadcast bytes of xq meet 4 inputs of every feature
+ * (AVX2 reads bytes 0-31 and 32-63 of a vector as features 0-7 and 8-15):
  *   4 bits: codes [N / 16, K / 32, 4, 16, 4] uint8; vector j's low nibbles are inputs 4j..4j+3 and
  *           its high nibbles inputs 16+4j..16+4j+3;
  *   8 bits: codes [N / 16, K / 32, 8, 16, 4] uint8, code + 128, vector j holding inputs 4j..4j+3.
@@ -27,32 +39,50 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if !defined(__AVX512VNNI__) || !defined(__AVX512BF16__) || !defined(__AVX512BW__)
-#error "needs AVX-512 VNNI, BF16 and BW (Zen 4, Sapphire Rapids or later)"
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define VNNI 1
+#define ISA "avx512_vnni"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VNNI 0
+#define ISA "avx2"
+#else
+#error "needs AVX-512 VNNI, BF16 and BW, or AVX2, FMA and F16C"
 #endif
 #if !defined(GROUP_SIZE) || GROUP_SIZE % 32 || !defined(BITS) || (BITS != 4 && BITS != 8)
 #error "build with -DBITS=4|8 -DGROUP_SIZE=32|64|128|256"
 #endif
 
+/* Read by cpu_int8_matmul.py: the instruction set this build multiplies with. */
+const char kvpilot_int8_matmul_isa[] = ISA;
+
 #define ROW_TILE 8
 #define FEATURE_TILE 16
 #define RUN 32
 #define RUN_BYTES (RUN * BITS / 8 * FEATURE_TILE) /* codes of one run of a tile */
+/* A per-row term each group adds: 4 bits, sum(x) (the offset's share); 8 bits on VNNI, the codes' bias. */
+#define GROUP_TERM (BITS == 4 || VNNI)
 /* Below this many multiply-adds the call runs on one thread: a parallel region costs more. */
 #define PARALLEL_MIN_MACS 65536
 
+#if VNNI
+static inline __m512 load16(const void *x, int64_t i, int bf16) { /* x[i..i+15] in float32 */
+    if (bf16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)x + i);
+}
+
 /*
- * One row of bfloat16 x: xq [K] int8, scale [K / 32] and the per-group term [K / GROUP_SIZE] float32
- * (4 bits: sum(x) over the group; 8 bits: -128 * sum over its runs of scale * sum(xq)).
+ * One row of x (k inputs): xq [K] int8, scale [K / 32] and the per-group term [K / GROUP_SIZE]
+ * float32 (4 bits: sum(x) over the group; 8 bits: -128 * sum over its runs of scale * sum(xq)).
  */
-static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *scale, float *group_term) {
+static void quantize_row(const void *x, int bf16, int64_t k, int8_t *xq, float *scale, float *group_term) {
     for (int64_t g = 0; g < k / GROUP_SIZE; ++g) {
         __m512 sum = _mm512_setzero_ps();
         float term = 0.0f;
         for (int64_t b = g * (GROUP_SIZE / RUN); b < (g + 1) * (GROUP_SIZE / RUN); ++b) {
-            const __m512i raw = _mm512_loadu_si512(x + b * RUN); /* 32 bfloat16 */
-            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+            const __m512 lo = load16(x, b * RUN, bf16), hi = load16(x, b * RUN + 16, bf16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
             const float s = amax / 127.0f;
             const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
@@ -74,7 +104,7 @@ static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *scale,
 /* 16 output features against `rows` rows (a constant after inlining, so the accumulators stay in registers). */
 static inline __attribute__((always_inline)) void tile_rows(
     const uint8_t *codes, const _Float16 *scales, const _Float16 *offsets, const int8_t *xq, const float *xs,
-    const float *xterm, uint16_t *out, int64_t n, int64_t k, const int rows) {
+    const float *xterm, void *out, int64_t n, int64_t k, int bf16, const int rows) {
     const int64_t runs = k / RUN, groups = k / GROUP_SIZE;
     __m512 acc[ROW_TILE];
     for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
@@ -113,17 +143,171 @@ static inline __attribute__((always_inline)) void tile_rows(
             acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xterm[r * groups + g]), acc[r]);
         }
     }
-    for (int r = 0; r < rows; ++r) _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+    for (int r = 0; r < rows; ++r) {
+        if (bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * n), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+        else
+            _mm512_storeu_ps((float *)out + r * n, acc[r]);
+    }
+}
+#else /* AVX2 */
+static inline __m256 load8(const void *x, int64_t i, int bf16) { /* x[i..i+7] in float32 */
+    if (bf16) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    }
+    return _mm256_loadu_ps((const float *)x + i);
 }
 
+static inline float reduce_max(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+#if BITS == 4
+static inline float reduce_add(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 /*
- * x: [m, k] bfloat16, contiguous; codes, scales, offsets (NULL for 8 bits): the layout above (n a
- * multiple of 16, k of GROUP_SIZE); out: [m, n] bfloat16. Returns 0, or -1 (out unwritten) if the
- * workspace for x quantized (m * k bytes and m * k / 16 floats) cannot be allocated.
+ * One row of x (k inputs): xq [K] int8, scale [K / 32] and, for 4 bits, sum(x) over each group
+ * [K / GROUP_SIZE] float32 (8-bit codes are signed again in registers: no term to take off).
  */
-int kvpilot_int8_matmul(const uint16_t *x, const uint8_t *codes, const _Float16 *scales, const _Float16 *offsets,
-                        uint16_t *out, int64_t m, int64_t n, int64_t k) {
-    const int64_t runs = k / RUN, groups = k / GROUP_SIZE, tiles = n / FEATURE_TILE;
+static void quantize_row(const void *x, int bf16, int64_t k, int8_t *xq, float *scale, float *group_term) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    /* VPACKSS packs within 128-bit halves: this puts the 8 runs of 4 bytes back in input order. */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#if BITS == 4
+    __m256 sum = _mm256_setzero_ps();
+#else
+    (void)group_term;
+#endif
+    for (int64_t b = 0; b < k / RUN; ++b) {
+        __m256 v[4]; /* inputs 8i..8i+7 of the run */
+        __m256 magnitude = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            v[i] = load8(x, b * RUN + 8 * i, bf16);
+            magnitude = _mm256_max_ps(magnitude, _mm256_andnot_ps(sign, v[i]));
+        }
+        const float amax = reduce_max(magnitude);
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + b * RUN), _mm256_permutevar8x32_epi32(bytes, order));
+        scale[b] = amax / 127.0f;
+#if BITS == 4
+        sum = _mm256_add_ps(sum, _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        if ((b + 1) % (GROUP_SIZE / RUN) == 0) { /* the group's last run */
+            group_term[b / (GROUP_SIZE / RUN)] = reduce_add(sum);
+            sum = _mm256_setzero_ps();
+        }
+#endif
+    }
+}
+
+static inline void store8(__m256 v, void *out, int64_t i, int bf16) { /* out[i..i+7] */
+    if (!bf16) {
+        _mm256_storeu_ps((float *)out + i, v);
+        return;
+    }
+    /* Round to nearest even, as torch does: add 0x7fff plus the kept part's lowest bit, keep the top half. */
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
+}
+
+/* 16 output features, as two halves of 8, against `rows` rows (a constant after inlining). */
+static inline __attribute__((always_inline)) void tile_rows(
+    const uint8_t *codes, const _Float16 *scales, const _Float16 *offsets, const int8_t *xq, const float *xs,
+    const float *xterm, void *out, int64_t n, int64_t k, int bf16, const int rows) {
+    const int64_t runs = k / RUN, groups = k / GROUP_SIZE;
+    const __m256i ones = _mm256_set1_epi16(1);
+#if BITS == 8
+    (void)offsets;
+    (void)xterm;
+#endif
+    for (int half = 0; half < 2; ++half) { /* features 8 * half .. 8 * half + 7 */
+        __m256 acc[ROW_TILE];
+        for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+            __m256 group_acc[ROW_TILE];
+            for (int r = 0; r < rows; ++r) group_acc[r] = _mm256_setzero_ps();
+            for (int64_t b = g * (GROUP_SIZE / RUN); b < (g + 1) * (GROUP_SIZE / RUN); ++b) {
+                /* w[j]: inputs 4j..4j+3 of the run for each of the 8 features; rows then go one at a
+                 * time, so the compiler keeps one row's products live, not every row's. */
+                const uint8_t *run = codes + b * RUN_BYTES + half * 32; /* vector j at run + 64 * j */
+                __m256i w[8];
+                __m256i dot[ROW_TILE]; /* per row, the run's int32 sum for each of the 8 features */
+#if BITS == 4
+                const __m256i nibble = _mm256_set1_epi8(15);
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(run + j * 64));
+                    w[j] = _mm256_and_si256(v, nibble);
+                    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                }
+                for (int r = 0; r < rows; ++r) {
+                    const int32_t *xr = (const int32_t *)(xq + r * k + b * RUN);
+                    __m256i pairs = _mm256_setzero_si256(); /* int16: at most 8 * 3810, no overflow */
+                    for (int j = 0; j < 8; ++j)
+                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xr[j])));
+                    dot[r] = _mm256_madd_epi16(pairs, ones);
+                }
+#else
+                __m256i magnitude[8];
+                for (int j = 0; j < 8; ++j) {
+                    w[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(run + j * 64)),
+                                            _mm256_set1_epi8((char)0x80)); /* the code, signed again */
+                    magnitude[j] = _mm256_abs_epi8(w[j]); /* -128 becomes 128, read unsigned */
+                }
+                for (int r = 0; r < rows; ++r) {
+                    const int32_t *xr = (const int32_t *)(xq + r * k + b * RUN);
+                    dot[r] = _mm256_setzero_si256();
+                    for (int j = 0; j < 8; ++j) {
+                        const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w[j]);
+                        const __m256i pairs = _mm256_maddubs_epi16(magnitude[j], signed_x); /* |pair| <= 32512 */
+                        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+#endif
+                for (int r = 0; r < rows; ++r)
+                    group_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(xs[r * runs + b]),
+                                                   group_acc[r]);
+            }
+            const __m256 scale =
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * FEATURE_TILE + half * 8)));
+#if BITS == 4
+            const __m256 offset =
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + g * FEATURE_TILE + half * 8)));
+#endif
+            for (int r = 0; r < rows; ++r) {
+                acc[r] = _mm256_fmadd_ps(group_acc[r], scale, acc[r]);
+#if BITS == 4
+                acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xterm[r * groups + g]), acc[r]);
+#endif
+            }
+        }
+        for (int r = 0; r < rows; ++r) store8(acc[r], out, r * n + half * 8, bf16);
+    }
+}
+#endif
+
+/*
+ * x: [m, k] float32 (bf16 = 0) or bfloat16 (bf16 = 1), contiguous; codes, scales, offsets (NULL for
+ * 8 bits): the layout above (n a multiple of 16, k of GROUP_SIZE); out: [m, n] in x's dtype.
+ * Returns 0, or -1 (out unwritten) if the workspace for x quantized (m * k bytes and m * k / 16
+ * floats at most) cannot be allocated.
+ */
+int kvpilot_int8_matmul(const void *x, const uint8_t *codes, const _Float16 *scales, const _Float16 *offsets,
+                        void *out, int64_t m, int64_t n, int64_t k, int bf16) {
+    const int64_t runs = k / RUN, groups = GROUP_TERM ? k / GROUP_SIZE : 0, tiles = n / FEATURE_TILE;
+    const int64_t x_bytes = bf16 ? 2 : 4;
     const int parallel = m * n * k >= PARALLEL_MIN_MACS;
     if (m == 0) return 0;
     float *xs = malloc(sizeof(float) * m * (runs + groups) + m * k); /* run scales, group terms, xq */
@@ -131,25 +315,26 @@ int kvpilot_int8_matmul(const uint16_t *x, const uint8_t *codes, const _Float16 
     float *xterm = xs + m * runs;
     int8_t *xq = (int8_t *)(xterm + m * groups);
 #pragma omp parallel for schedule(static) if (parallel && m >= 16)
-    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * k, k, xq + r * k, xs + r * runs, xterm + r * groups);
+    for (int64_t r = 0; r < m; ++r)
+        quantize_row((const char *)x + r * k * x_bytes, bf16, k, xq + r * k, xs + r * runs, xterm + r * groups);
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t t = 0; t < tiles; ++t) {
         const uint8_t *tc = codes + t * runs * RUN_BYTES;
-        const _Float16 *ts = scales + t * groups * FEATURE_TILE;
-        const _Float16 *to = BITS == 4 ? offsets + t * groups * FEATURE_TILE : 0;
+        const _Float16 *ts = scales + t * (k / GROUP_SIZE) * FEATURE_TILE;
+        const _Float16 *to = BITS == 4 ? offsets + t * (k / GROUP_SIZE) * FEATURE_TILE : 0;
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
             const int8_t *xr = xq + r0 * k;
             const float *sr = xs + r0 * runs, *gr = xterm + r0 * groups;
-            uint16_t *dst = out + r0 * n + t * FEATURE_TILE;
+            void *dst = (char *)out + (r0 * n + t * FEATURE_TILE) * x_bytes;
             switch (m - r0 < ROW_TILE ? m - r0 : ROW_TILE) {
-                case 1: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, 1); break;
-                case 2: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, 2); break;
-                case 3: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, 3); break;
-                case 4: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, 4); break;
-                case 5: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, 5); break;
-                case 6: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, 6); break;
-                case 7: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, 7); break;
-                default: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, ROW_TILE); break;
+                case 1: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, bf16, 1); break;
+                case 2: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, bf16, 2); break;
+                case 3: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, bf16, 3); break;
+                case 4: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, bf16, 4); break;
+                case 5: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, bf16, 5); break;
+                case 6: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, bf16, 6); break;
+                case 7: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, bf16, 7); break;
+                default: tile_rows(tc, ts, to, xr, sr, gr, dst, n, k, bf16, ROW_TILE); break;
             }
         }
     }

@@ -1,15 +1,16 @@
-"""Quantized weights times int8 activations on the CPU: the C kernel in cpu_int8_matmul.c (AVX-512 VNNI).
+"""Quantized weights times int8 activations on the CPU: the C kernel in cpu_int8_matmul.c.
 
-For bfloat16 models with 4- or 8-bit weights: x is quantized to int8 per run of 32 inputs inside
-the call and multiplied with VPDPBUSD, twice the products per instruction of the bfloat16 dot
-product that bounds the other kernels at decode batch sizes of 4-8. The result differs from
-``quant_matmul_reference`` by the rounding of x to 8 bits (about 1 % relative, like llama.cpp's
-8-bit activations); tests/kernels/test_quant_matmul.py bounds it.
+For float32 and bfloat16 models with 4- or 8-bit weights: x is quantized to int8 per run of 32
+inputs inside the call and multiplied in integers, with AVX-512 VNNI's VPDPBUSD (64 products an
+instruction) or AVX2's VPMADDUBSW (32), several times the products per instruction of the float32
+or bfloat16 dot products that bound the other kernels at decode batch sizes. The result differs
+from ``quant_matmul_reference`` by the rounding of x to 8 bits (about 1 % relative, like
+llama.cpp's 8-bit activations); tests/kernels/test_quant_matmul.py bounds it.
 
-The kernel reads its own layout (``interleave``; cpu_int8_matmul.c's comment); ``rows`` reads
-output features back in kvpilot's layout (a packed token embedding's lookup). Built by
-cpu_build.py once per bit width and group size; on CPUs without AVX-512 VNNI and BF16 the build
-refuses and ``load_kernel`` returns None.
+The kernel reads its own layout (``interleave``; cpu_int8_matmul.c's comment), the same for both
+instruction sets; ``rows`` reads output features back in kvpilot's layout (a packed token
+embedding's lookup). Built by cpu_build.py once per bit width and group size, for the instruction
+set ``CpuFeatures.int8_matmul_isa`` names; on CPUs with neither ``load_kernel`` returns None.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -28,8 +30,10 @@ from kvpilot.kernels.quant_layout import CHUNK, check_packed, unpack_codes
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_int8_matmul.c")
 FEATURE_TILE = 16  # output features per work item; N must be a multiple
-BIAS_8BIT = 128  # 8-bit codes are stored as code + 128: VPDPBUSD's weight operand is unsigned
-__all__ = ["Int8Kernel", "interleave", "load_kernel", "rows"]
+# 8-bit codes are stored as code + 128: VPDPBUSD's weight operand is unsigned (the AVX2 path undoes it in registers)
+BIAS_8BIT = 128
+DTYPES = (torch.float32, torch.bfloat16)  # of x and out, chosen per call
+__all__ = ["DTYPES", "Int8Kernel", "Kernel", "interleave", "load_kernel", "rows"]
 
 
 def interleave(
@@ -73,37 +77,47 @@ def rows(
             None if offsets is None else offsets[tile, :, feature].contiguous())
 
 
+class Kernel(NamedTuple):
+    function: ctypes._CFuncPtr
+    isa: str  # what the build multiplies with: "avx512_vnni" or "avx2" (CpuFeatures.int8_matmul_isa)
+
+
 class Int8Kernel:
-    """An interleaved weight bound to its kernel: a callable [M, K] bfloat16 -> [M, N] bfloat16."""
+    """An interleaved weight bound to its kernel: a callable [M, K] dtype -> [M, N] dtype."""
 
-    __slots__ = ("_function", "_tensors", "_pointers", "n", "k")
+    __slots__ = ("_function", "_tensors", "_pointers", "_bf16", "dtype", "n", "k")
 
-    def __init__(self, function: ctypes._CFuncPtr, codes: torch.Tensor, scales: torch.Tensor,
-                 offsets: torch.Tensor | None) -> None:
-        self._function = function
+    def __init__(self, kernel: Kernel, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"the int8-activation kernel takes float32 or bfloat16 x, not {dtype}")
+        self._function = kernel.function
         self._tensors = (codes, scales, offsets)  # held: the kernel reads them through raw pointers
         self._pointers = tuple(None if t is None else t.data_ptr() for t in self._tensors)
+        self._bf16 = int(dtype == torch.bfloat16)
+        self.dtype = dtype
         self.n = codes.shape[0] * FEATURE_TILE
         self.k = codes.shape[1] * CHUNK
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         # Called ~120 times a decode step: the checks are the few that keep the raw pointers safe.
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
-            raise ValueError(f"x must be [M, {self.k}] bfloat16 on the CPU, got {tuple(x.shape)} {x.dtype} {x.device}")
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
+            raise ValueError(f"x must be [M, {self.k}] {self.dtype} on the CPU, got {tuple(x.shape)} {x.dtype} "
+                             f"{x.device}")
         x = x.contiguous()
-        out = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
-        if self._function(x.data_ptr(), *self._pointers, out.data_ptr(), x.shape[0], self.n, self.k):
+        out = torch.empty(x.shape[0], self.n, dtype=self.dtype)
+        if self._function(x.data_ptr(), *self._pointers, out.data_ptr(), x.shape[0], self.n, self.k, self._bf16):
             raise MemoryError(f"no memory for {x.shape[0]} x {self.k} activations quantized to int8")
         return out
 
 
 @functools.cache
-def load_kernel(bits: int, group_size: int) -> ctypes._CFuncPtr | None:
-    """The kernel for this bit width and group size; None where it cannot be built (no AVX-512
-    VNNI/BF16, no compiler)."""
+def load_kernel(bits: int, group_size: int) -> Kernel | None:
+    """The kernel for this bit width and group size; None where it cannot be built (neither AVX-512
+    VNNI/BF16 nor AVX2/FMA, or no compiler)."""
     features = cpu_features.detect()
     if features.int8_matmul_isa is None:
-        logger.info("quantized matmuls without int8 activations (the CPU lacks AVX-512 VNNI and BF16: %s)",
+        logger.info("quantized matmuls without int8 activations (the CPU lacks AVX-512 VNNI+BF16 and AVX2+FMA: %s)",
                     features.summary())
         return None
     try:
@@ -113,5 +127,8 @@ def load_kernel(bits: int, group_size: int) -> ctypes._CFuncPtr | None:
         return None
     function = library.kvpilot_int8_matmul
     function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3  # x, codes, scales, offsets, out, m, n, k
-    return function
+    # x, codes, scales, offsets, out, m, n, k, bf16
+    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    isa = ctypes.string_at(ctypes.addressof(ctypes.c_char.in_dll(library, "kvpilot_int8_matmul_isa"))).decode()
+    logger.info("quantized matmuls with int8 activations (%s, %d bits, group size %d)", isa, bits, group_size)
+    return Kernel(function, isa)

@@ -187,18 +187,21 @@ class CausalLM(nn.Module):
         return linear(hidden, head).float()
 
     def pack_weights_for_cpu(self, batch_size_hint: int) -> bool:
-        """Hold a bfloat16 CPU model's matmul weights in the layouts of the fastest kernels this CPU
-        runs, once, instead of converting per call; returns whether any weight moved.
+        """Hold a CPU model's matmul weights in the layouts of the fastest kernels this CPU runs,
+        once, instead of converting per call; returns whether any weight moved.
 
-        Dense weights go into oneDNN's blocked layout where oneDNN can reorder bfloat16 (AVX-512
-        BW/VL/DQ or AVX-NE-CONVERT, kvpilot.kernels.cpu_features): decode-sized matmuls get markedly
-        faster (the AMX kernels otherwise re-pack the weight on every call). Weights kept packed move
-        into the layout of a quantized CPU kernel (QuantizedLinear.repack_for_cpu). Other dtypes and
-        devices, and a torch built without oneDNN, keep every weight as it is.
+        Weights kept packed move into the layout of a quantized CPU kernel, whatever the model's
+        dtype (QuantizedLinear.repack_for_cpu: float32 and bfloat16 models take the int8-activation
+        kernel where it builds). Dense weights of a bfloat16 model go into oneDNN's blocked layout
+        where oneDNN can reorder bfloat16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT,
+        kvpilot.kernels.cpu_features): decode-sized matmuls get markedly faster (the AMX kernels
+        otherwise re-pack the weight on every call). Other devices keep every weight as it is; dense
+        weights stay as they are in other dtypes and with a torch built without oneDNN.
         """
-        if self.norm.device.type != "cpu" or self.dtype != torch.bfloat16:
+        if self.norm.device.type != "cpu":
             return False
-        onednn = torch.backends.mkldnn.is_available() and cpu_features.detect().onednn_bf16_prepack
+        onednn = (self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+                  and cpu_features.detect().onednn_bf16_prepack)
         moved = False
 
         def pack(owner: nn.Module, name: str, *, embedding: bool = False) -> None:

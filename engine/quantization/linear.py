@@ -3,9 +3,9 @@
 The route is chosen per call from where the activations are: the Triton dequantize-in-GEMM kernel
 on CUDA (kvpilot.kernels.quant_matmul), the C kernel on the CPU (kvpilot.kernels.cpu_quant_matmul);
 where neither runs (a CPU without a C compiler), the reference dequantizes and multiplies.
-``repack_for_cpu`` (called by CausalLM.pack_weights_for_cpu for bfloat16 models) moves a weight
-into the layout of a faster CPU kernel: kvpilot's int8-activation kernel
-(kvpilot.kernels.cpu_int8_matmul, AVX-512 VNNI) where it builds, else, for 4 bits, torch's own
+``repack_for_cpu`` (called by CausalLM.pack_weights_for_cpu) moves a weight into the layout of a
+faster CPU kernel: kvpilot's int8-activation kernel (kvpilot.kernels.cpu_int8_matmul, AVX-512 VNNI
+or AVX2; float32 and bfloat16 models) where it builds, else, for 4 bits in bfloat16, torch's own
 int4 kernel (``aten._weight_int4pack_mm_for_cpu``), which blocks registers across output features.
 A packed token embedding is a QuantizedLinear too: ``embedding`` dequantizes just the rows looked up.
 """
@@ -54,30 +54,32 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def repack_for_cpu(self, *, embedding: bool = False) -> str:
-        """Hold a bfloat16 CPU weight in the layout of the fastest CPU kernel that runs here (same
-        bytes of codes); returns the layout now held.
+        """Hold a CPU weight in the layout of the fastest CPU kernel that runs here for the layer's
+        dtype (same bytes of codes); returns the layout now held.
 
-        - ``w4a8`` / ``w8a8``: kvpilot's int8-activation kernel (kvpilot.kernels.cpu_int8_matmul), on
-          CPUs with AVX-512 VNNI and BF16. It rounds x to 8 bits per run of 32 inputs (about 1 %
-          relative). ``embedding`` reads this layout too.
-        - ``torch-int4`` (4 bits, elsewhere): torch's int4 kernel, which dequantizes
+        - ``w4a8`` / ``w8a8``: kvpilot's int8-activation kernel (kvpilot.kernels.cpu_int8_matmul),
+          float32 and bfloat16 models, on CPUs with AVX-512 VNNI and BF16 or with AVX2 and FMA. It
+          rounds x to 8 bits per run of 32 inputs (about 1 % relative). ``embedding`` reads this
+          layout too.
+        - ``torch-int4`` (4 bits, bfloat16, elsewhere): torch's int4 kernel, which dequantizes
           ``(code - 8) * scale + zero`` per group, so ``zero = offset + 8 * scale`` (kept, like the
           scale, in bfloat16). Not taken with ``embedding=True`` (the weight is also the token
           embedding, and its rows cannot be read back from torch's layout).
         - ``kvpilot``: unchanged where neither applies: another device or dtype, out_features not a
-          multiple of 16, no kernel available.
+          multiple of 16, no kernel available (float32 models then stay on kvpilot's C kernel).
         """
-        if (self.layout != "kvpilot" or self.codes.device.type != "cpu" or self.dtype != torch.bfloat16
-                or self.out_features % 16):
+        if self.layout != "kvpilot" or self.codes.device.type != "cpu" or self.out_features % 16:
             return self.layout
-        int8_kernel = cpu_int8_matmul.load_kernel(self.bits, self.group_size)
+        int8_kernel = (cpu_int8_matmul.load_kernel(self.bits, self.group_size)
+                       if self.dtype in cpu_int8_matmul.DTYPES else None)
         convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
         if int8_kernel is not None:
             self.codes, self.scales, self.offsets = cpu_int8_matmul.interleave(
                 self.codes, self.scales, self.offsets, bits=self.bits, group_size=self.group_size)
-            self._cpu_matmul = cpu_int8_matmul.Int8Kernel(int8_kernel, self.codes, self.scales, self.offsets)
+            self._cpu_matmul = cpu_int8_matmul.Int8Kernel(int8_kernel, self.codes, self.scales, self.offsets,
+                                                          self.dtype)
             self.layout = f"w{self.bits}a8"
-        elif self.bits == 4 and not embedding and convert is not None:
+        elif self.dtype == torch.bfloat16 and self.bits == 4 and not embedding and convert is not None:
             values = unpack_codes(self.codes, 4).to(torch.int32)  # [out_features, in_features], 0..15
             scales, offsets = self.scales.float(), self.offsets.float()  # [out_features, groups]
             self.codes = convert(values, 1)  # [out_features, in_features // 2] uint8, torch's order

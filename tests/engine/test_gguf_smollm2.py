@@ -16,6 +16,7 @@ from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.models import load_model, load_tokenizer
 from kvpilot.engine.scoring import EVAL_PASSAGE as PASSAGE
 from kvpilot.engine.scoring import perplexity, sequence_logits
+from kvpilot.kernels import cpu_int8_matmul
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -100,7 +101,10 @@ def test_logits_match_transformers(smollm2_gguf, hf_model, prompt_ids):
     assert worst <= LOGITS_ATOL
 
 
-def test_greedy_tokens_match_transformers_for_64_steps(smollm2_gguf, hf_model, prompt_ids):
+def test_greedy_tokens_match_transformers_for_64_steps(smollm2_gguf, hf_model, prompt_ids, monkeypatch):
+    # The exact route (float activations): the default rounds activations to 8 bits as llama.cpp does,
+    # which keeps the perplexity (tests/quantization/test_quantized_llm.py) but not every greedy token.
+    monkeypatch.setattr(cpu_int8_matmul, "load_kernel", lambda bits, group_size: None)
     # transformers generates all 8 in one left-padded batch (one prompt at a time takes minutes on
     # 2 cores); padded positions are masked out, so each row computes what it would alone.
     longest = max(len(tokens) for tokens in prompt_ids)

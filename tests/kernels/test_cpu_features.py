@@ -16,8 +16,14 @@ def test_an_avx2_cpu_gets_no_avx512_path():
     features = cpu_features.parse(AVX2_EPYC)
     assert features.has("avx2", "fma") and not features.avx512
     assert not features.onednn_bf16_prepack and not features.native_bf16
-    assert features.int8_matmul_isa is None
+    assert features.int8_matmul_isa == "avx2"
     assert features.compile_flags() == ()
+
+
+def test_the_int8_kernel_needs_avx2_and_fma_at_least():
+    assert cpu_features.parse(AVX2_EPYC, "-avx2").int8_matmul_isa is None
+    assert cpu_features.parse(AVX2_EPYC, "-fma").int8_matmul_isa is None
+    assert cpu_features.parse(AVX2_EPYC.replace(" f16c", "")).int8_matmul_isa is None  # its float16 scales
 
 
 def test_an_avx512_bf16_vnni_cpu_gets_every_path():
@@ -34,11 +40,12 @@ def test_avx_ne_convert_alone_allows_onednn_bfloat16_reorder():
 def test_removing_a_feature_removes_what_builds_on_it_and_turns_it_off_in_builds():
     features = cpu_features.parse(ZEN4, "-avx512f")
     assert not features.avx512 and not features.has("avx512_vnni") and not features.has("avx512_bf16")
-    assert features.has("avx2") and features.int8_matmul_isa is None
+    assert features.has("avx2") and features.int8_matmul_isa == "avx2"  # what tests use to run the AVX2 path
     assert "-mno-avx512f" in features.compile_flags() and "-mno-avx512vnni" in features.compile_flags()
     assert "removed by KVPILOT_CPU_FEATURES" in features.summary()
-    assert cpu_features.parse(ZEN4, "-avx512_vnni").int8_matmul_isa is None
+    assert cpu_features.parse(ZEN4, "-avx512_vnni").int8_matmul_isa == "avx2"
     assert cpu_features.parse(ZEN4, "-avx512_vnni").native_bf16
+    assert cpu_features.parse(ZEN4, "-avx2").int8_matmul_isa is None
 
 
 def test_a_feature_cannot_be_added():

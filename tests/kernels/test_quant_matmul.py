@@ -1,6 +1,7 @@
 """Weight-only quantized matmul: the Triton kernel (TRITON_INTERPRET=1 on CPU), the CPU C kernel and
-the CPU int8-activation kernel against the reference (dequantize to float32, multiply), over odd
-shapes, both bit widths and the group sizes the loaders produce; and the packed layout itself."""
+the CPU int8-activation kernel (its AVX-512 VNNI and AVX2 paths, float32 and bfloat16) against the
+reference (dequantize to float32, multiply), over odd shapes, both bit widths and the group sizes
+the loaders produce; and the packed layouts themselves."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kvpilot.kernels import cpu_int8_matmul, cpu_quant_matmul
+from kvpilot.kernels import cpu_features, cpu_int8_matmul, cpu_quant_matmul
 from kvpilot.kernels.quant_layout import (
     check_packed,
     dequantize,
@@ -124,68 +125,92 @@ def test_check_packed_names_what_does_not_fit():
     with pytest.raises(ValueError, match="multiple of 32"):
         pack_codes(torch.zeros(2, 48, dtype=torch.long), 4)
 
-# The int8-activation kernel (cpu_int8_matmul.c). With x whose runs of 32 are already int8 values
-# times a power of two (rounding x to 8 bits changes nothing) it must give the reference's product
-# to float32 rounding; with Gaussian x its error must stay at the size that rounding x to 8 bits
-# explains. Skipped on CPUs without AVX-512 VNNI and BF16, where it does not build.
-int8_kernel = pytest.mark.skipif(ON_CUDA or cpu_int8_matmul.load_kernel(4, 32) is None,
-                                 reason="needs AVX-512 VNNI and BF16")
+# The int8-activation kernel (cpu_int8_matmul.c), on each instruction set it builds for. With x
+# whose runs of 32 are already int8 values times a power of two (rounding x to 8 bits changes
+# nothing) it must give the reference's product to float32 rounding; with Gaussian x its error must
+# stay at the size that rounding x to 8 bits explains.
+INT8_NEEDS = {"avx512_vnni": "AVX-512 VNNI and BF16", "avx2": "AVX2, FMA and F16C"}
+INT8_DTYPES = [torch.float32, torch.bfloat16]
+# (atol as a fraction of the largest output, rtol): x of the exact case is exact in both dtypes, so
+# what is left is float32 summation order (measured 5e-7) and a bfloat16 output's rounding (3e-3).
+INT8_EXACT_TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-3, 8e-3)}
 
-# (M rows, N out features (a multiple of 16), K in features, group size): one decode row, a row
-# tile and a bit, a prefill; K of one group and of many.
-INT8_CASES = [(1, 16, 32, 32), (3, 48, 128, 64), (8, 96, 256, 128), (9, 64, 512, 256), (37, 576, 1536, 32)]
+# (M rows, N out features (a multiple of 16), K in features, group size): one decode row, rows
+# short of a row tile (8) and past it, a prefill; K of one run, of an odd number of runs, of one
+# group and of many; every group size the loaders produce (GGUF 32, AWQ 32-128).
+INT8_CASES = [(1, 16, 32, 32), (3, 48, 128, 64), (6, 16, 192, 64), (8, 96, 256, 128), (9, 64, 512, 256),
+              (13, 32, 96, 32), (37, 576, 1536, 32)]
 
 
-def int8_bound(n: int, k: int, group_size: int, bits: int, seed: int):
+@pytest.fixture(params=list(INT8_NEEDS))
+def int8_isa(request, cpu_without) -> str:
+    """The test runs on this instruction set of the int8-activation kernel: an AVX-512 VNNI machine
+    runs both (without AVX-512, as KVPILOT_CPU_FEATURES=-avx512f does, the AVX2 build is made), an
+    AVX2 one the AVX2 path only; skipped where the CPU lacks the instruction set."""
+    if ON_CUDA:
+        pytest.skip("the CPU kernel")
+    if request.param == "avx2":
+        cpu_without("avx512f")
+    features = cpu_features.detect()
+    if features.int8_matmul_isa != request.param:
+        pytest.skip(f"needs {INT8_NEEDS[request.param]} (this CPU: {features.summary()})")
+    kernel = cpu_int8_matmul.load_kernel(4, 32)
+    assert kernel is not None and kernel.isa == request.param  # the build really took that path
+    return request.param
+
+
+def int8_bound(n: int, k: int, group_size: int, bits: int, seed: int, dtype: torch.dtype):
     codes, scales, offsets, _ = random_packed(n, k, group_size, bits, seed=seed, device="cpu")
     tiled = cpu_int8_matmul.interleave(codes, scales, offsets, bits=bits, group_size=group_size)
-    kernel = cpu_int8_matmul.Int8Kernel(cpu_int8_matmul.load_kernel(bits, group_size), *tiled)
-    return kernel, (codes, scales, offsets), tiled
+    kernel = cpu_int8_matmul.Int8Kernel(cpu_int8_matmul.load_kernel(bits, group_size), *tiled, dtype)
+    return kernel, (codes, scales, offsets)
 
 
-@int8_kernel
+@pytest.mark.parametrize("dtype", INT8_DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m,n,k,group_size", INT8_CASES)
-def test_int8_kernel_exact_when_x_is_already_eight_bit(m, n, k, group_size, bits):
-    kernel, packed, _ = int8_bound(n, k, group_size, bits, seed=m + n)
+def test_int8_kernel_exact_when_x_is_already_eight_bit(m, n, k, group_size, bits, dtype, int8_isa):
+    kernel, packed = int8_bound(n, k, group_size, bits, seed=m + n, dtype=dtype)
     gen = torch.Generator().manual_seed(m)
     x = torch.randint(-127, 128, (m, k), generator=gen).float()
-    x.view(m, k // 32, 32)[..., 0] = 127  # every run's largest magnitude is 127: its scale is 1
+    x.view(m, k // 32, 32)[..., 0] = 127  # every run's largest magnitude is 127: its scale is a power of two
     x = (x.view(m, k // 32, 32) * 2.0 ** torch.randint(-6, 3, (m, k // 32, 1), generator=gen)).view(m, k)
-    x = x.to(torch.bfloat16)
+    x = x.to(dtype)
     expected = quant_matmul_reference(x.float(), *packed, bits=bits, group_size=group_size)
-    torch.testing.assert_close(kernel(x).float(), expected, atol=1e-3, rtol=8e-3)  # out rounded to bfloat16
+    actual = kernel(x)
+    assert actual.dtype == dtype and actual.shape == (m, n)
+    atol, rtol = INT8_EXACT_TOLERANCES[dtype]
+    torch.testing.assert_close(actual.float(), expected, atol=atol * expected.abs().max().item(), rtol=rtol)
 
 
-@int8_kernel
+@pytest.mark.parametrize("dtype", INT8_DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m,n,k,group_size", INT8_CASES)
-def test_int8_kernel_gaussian_x_within_eight_bit_rounding(m, n, k, group_size, bits):
-    kernel, packed, _ = int8_bound(n, k, group_size, bits, seed=m * 7 + n)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+def test_int8_kernel_gaussian_x_within_eight_bit_rounding(m, n, k, group_size, bits, dtype, int8_isa):
+    kernel, packed = int8_bound(n, k, group_size, bits, seed=m * 7 + n, dtype=dtype)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     expected = quant_matmul_reference(x.float(), *packed, bits=bits, group_size=group_size)
     actual = kernel(x).float()
-    assert actual.shape == (m, n)
-    # x rounded to 8 bits per run of 32: about 0.5-1 % of the product's size; a wrong nibble,
-    # run or group would be of the order of 100 %.
+    # x rounded to 8 bits per run of 32: about 0.5-1 % of the product's size (a bfloat16 output's
+    # rounding adds 0.2 %); a wrong nibble, run, half tile or group would be of the order of 100 %.
     assert ((actual - expected).norm() / expected.norm()).item() < 0.02
 
 
-@int8_kernel
+@pytest.mark.parametrize("dtype", INT8_DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_int8_kernel_all_zero_runs_and_an_empty_batch(bits):
-    kernel, packed, _ = int8_bound(32, 64, 32, bits, seed=1)
-    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+def test_int8_kernel_all_zero_runs_and_an_empty_batch(bits, dtype, int8_isa):
+    kernel, packed = int8_bound(32, 64, 32, bits, seed=1, dtype=dtype)
+    x = torch.zeros(2, 64, dtype=dtype)
     x[1, 32:] = 1.0  # row 0 all zero, row 1's first run zero: scale 0, no division by it
     expected = quant_matmul_reference(x.float(), *packed, bits=bits, group_size=32)
     torch.testing.assert_close(kernel(x).float(), expected, atol=1e-3, rtol=8e-3)
-    assert kernel(torch.zeros(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
+    assert kernel(torch.zeros(0, 64, dtype=dtype)).shape == (0, 32)
 
 
-@int8_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int8_layout_keeps_the_bytes_and_gives_rows_back(bits):
-    _, (codes, scales, offsets), tiled = int8_bound(48, 128, 64, bits, seed=0)
+    codes, scales, offsets, _ = random_packed(48, 128, 64, bits, seed=0, device="cpu")
+    tiled = cpu_int8_matmul.interleave(codes, scales, offsets, bits=bits, group_size=64)
     assert tuple(tiled[0].shape) == (3, 4, bits, 16, 4) and tiled[0].numel() == codes.numel()
     assert tuple(tiled[1].shape) == (3, 2, 16) and torch.equal(tiled[1][1, :, 3], scales[19])
     index = torch.tensor([19, 0, 47, 19])
@@ -195,10 +220,11 @@ def test_int8_layout_keeps_the_bytes_and_gives_rows_back(bits):
         assert (got is None and want is None) or (got.dtype == want.dtype and torch.equal(got, want))
 
 
-@int8_kernel
-def test_int8_layout_refuses_what_does_not_tile():
+def test_int8_layout_and_kernel_refuse_what_they_do_not_take(int8_isa):
     odd = random_packed(40, 128, 64, 4, seed=0, device="cpu")[:3]
     with pytest.raises(ValueError, match="out_features .40. must be a multiple of 16"):
         cpu_int8_matmul.interleave(*odd, bits=4, group_size=64)
-    with pytest.raises(ValueError, match="bfloat16"):
-        int8_bound(16, 64, 32, 4, seed=0)[0](torch.zeros(1, 64))
+    with pytest.raises(ValueError, match="float32"):
+        int8_bound(16, 64, 32, 4, seed=0, dtype=torch.float32)[0](torch.zeros(1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16 x, not torch.float16"):
+        int8_bound(16, 64, 32, 4, seed=0, dtype=torch.float16)

@@ -1,5 +1,7 @@
 """A model kept 4-bit end to end: `kvpilot quantize` writes an AWQ checkpoint of a generated model,
-and the engine serves it packed with the same greedy tokens and logits as the same weights dequantized."""
+and the engine serves it packed with the same greedy tokens and logits as the same weights dequantized
+on kvpilot's C kernel, and close to them through the int8-activation kernel (float32 and bfloat16;
+SmolLM2's GGUF in float32 too)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from kvpilot.engine.config import ConfigError
 from kvpilot.engine.models import ModelLoadError, load_model
 from kvpilot.engine.quantization.linear import QuantizedLinear
 from kvpilot.engine.quantization.writer import quantize_model
-from kvpilot.engine.scoring import sequence_logits
-from kvpilot.kernels import cpu_features
+from kvpilot.engine.scoring import EVAL_PASSAGE, perplexity, sequence_logits
+from kvpilot.kernels import cpu_features, cpu_int8_matmul
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,7 +65,10 @@ def test_awq_model_keeps_every_linear_packed_in_under_a_third_of_bfloat16(awq_di
     assert packed_bytes / dense_bf16_bytes == pytest.approx(5 / 16)
 
 
-def test_packed_and_dequantized_weights_give_the_same_logits_and_greedy_tokens(awq_dir):
+def test_packed_and_dequantized_weights_give_the_same_logits_and_greedy_tokens(awq_dir, monkeypatch):
+    # kvpilot's C kernel multiplies float32 x by the dequantized weight exactly; the engine would
+    # otherwise repack for the int8-activation kernel (checked below, within its rounding).
+    monkeypatch.setattr(cpu_int8_matmul, "load_kernel", lambda bits, group_size: None)
     packed = load_model(awq_dir, torch.float32, "cpu", quantization="awq")
     dense = load_model(awq_dir, torch.float32, "cpu", quantization="none")
     assert isinstance(dense.layers[0].qkv_proj, torch.nn.Parameter)
@@ -81,7 +86,8 @@ def test_packed_and_dequantized_weights_give_the_same_logits_and_greedy_tokens(a
 
 def test_a_packed_draft_stays_packed_and_drafts_for_the_full_model(awq_dir, tiny_model_dirs):
     # The model's own 4-bit copy as the draft of the unquantized model (same vocabulary): the
-    # draft keeps its checkpoint's format, greedy output is the target's, and most proposals hold.
+    # draft keeps its checkpoint's format, greedy output is the target's, and about half the
+    # proposals hold.
     target = tiny_model_dirs["qwen2" if "qwen2" in awq_dir.name else "llama"]
     kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "kv_cache_memory": 16 << 20}
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -92,13 +98,16 @@ def test_a_packed_draft_stays_packed_and_drafts_for_the_full_model(awq_dir, tiny
     assert all(isinstance(getattr(layer, name), QuantizedLinear) for layer in draft.layers for name in MATRICES)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
-    assert llm.llm_engine.stats().spec_decode.acceptance_rate > 0.5
+    # 0.50-0.57 here (the draft's 4-bit round-to-nearest copy, on the int8-activation kernel where it
+    # builds); a draft unrelated to the target would be accepted about once in its vocabulary.
+    assert llm.llm_engine.stats().spec_decode.acceptance_rate > 0.4
 
 
 @pytest.mark.parametrize("cpu", ["this", "avx2"])
 def test_bfloat16_packed_model_stays_close_to_float32(awq_dir, cpu, cpu_without):
     # bfloat16 activations through the same codes: only the activations' rounding differs (8 bits
-    # per run of 32 in the int8-activation kernel; none in torch's int4 kernel, taken on AVX2).
+    # per run of 32 in the int8-activation kernel, AVX-512 VNNI or AVX2; none in torch's int4
+    # kernel, taken where neither builds).
     if cpu == "avx2":
         cpu_without("avx512f", "avx_ne_convert")
     full = load_model(awq_dir, torch.float32, "cpu", quantization="awq")
@@ -110,6 +119,55 @@ def test_bfloat16_packed_model_stays_close_to_float32(awq_dir, cpu, cpu_without)
         expected = sequence_logits(full, tokens)
         error = (sequence_logits(half, tokens) - expected).norm() / expected.norm()
         assert error.item() < 0.08  # 2-4.5 % here; a wrong route or layout is of the order of 100 %
+
+
+@pytest.mark.parametrize("cpu", ["this", "avx2"])
+def test_float32_packed_model_through_the_int8_kernel_stays_close(awq_dir, cpu, cpu_without):
+    # The default dtype on the CPU: the same codes, x rounded to 8 bits per run of 32 in every layer.
+    if cpu == "avx2":
+        cpu_without("avx512f")  # an AVX-512 machine runs the AVX2 path too
+    if cpu_features.detect().int8_matmul_isa is None:
+        pytest.skip(f"the int8-activation kernel needs AVX2, FMA and F16C ({cpu_features.detect().summary()})")
+    dense = load_model(awq_dir, torch.float32, "cpu", quantization="none")
+    packed = load_model(awq_dir, torch.float32, "cpu", quantization="awq")
+    assert packed.pack_weights_for_cpu(batch_size_hint=8)
+    assert {getattr(layer, name).layout for layer in packed.layers for name in MATRICES} == {"w4a8"}
+    for tokens in PROMPTS:
+        expected = sequence_logits(dense, tokens)
+        error = (sequence_logits(packed, tokens) - expected).norm() / expected.norm()
+        # Each matmul is about 1 % off (tests/kernels/test_quant_matmul.py), which these small random
+        # models compound to 2-5 % of the logits; a wrong layout or route is of the order of 100 %.
+        assert error.item() < 0.08
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_in_float32_through_the_int8_kernel_stays_close(smollm2_gguf):
+    # Q4_1 layers and the tied Q8_0 embedding (w8a8, the LM head and the lookup) on the default dtype.
+    if cpu_int8_matmul.load_kernel(4, 32) is None:
+        pytest.skip(f"the int8-activation kernel needs AVX2, FMA and F16C ({cpu_features.detect().summary()})")
+    from kvpilot.engine.models import load_tokenizer
+
+    tokens = load_tokenizer(smollm2_gguf)(EVAL_PASSAGE).input_ids
+    dequantized = load_model(smollm2_gguf, torch.float32, "cpu", quantization="none")
+    expected = sequence_logits(dequantized, tokens)
+    del dequantized
+    packed = load_model(smollm2_gguf, torch.float32, "cpu", quantization="gguf")
+    packed.pack_weights_for_cpu(batch_size_hint=8)
+    assert packed.embed_tokens.layout == "w8a8"
+    assert {getattr(layer, name).layout for layer in packed.layers for name in MATRICES} == {"w4a8"}
+    got = sequence_logits(packed, tokens)
+    error = ((got - expected).norm() / expected.norm()).item()
+    ppl = {"int8": perplexity(got, tokens), "dequantized": perplexity(expected, tokens)}
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    print(f"logits off by {error:.4f} (relative norm), {agree:.1%} of next-token argmaxes the same; "
+          f"perplexity {ppl['int8']:.4f} vs {ppl['dequantized']:.4f}")
+    # Measured on an AVX2 EPYC: logits 6.6 % off, 92.7 % of the argmaxes the same, perplexity +2.8 %
+    # (25.69 -> 26.41), nearly all from q/k/v and gate/up, whose input (the RMSNorm's output) has a
+    # few outlier channels that coarsen their run's 8-bit steps. The bounds leave a little room for
+    # other machines' kernels; a wrong layout or route gives perplexities in the thousands.
+    assert error < 0.1
+    assert agree > 0.85
+    assert ppl["int8"] == pytest.approx(ppl["dequantized"], rel=0.04)
 
 
 def test_awq_checkpoint_is_refused_as_gguf_and_plain_folders_as_awq(awq_dir, tiny_model_dir):
