@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 if os.environ.get("KVPILOT_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The GGUF tokenizers the tests build go to a folder of this session, not the user's cache.
+os.environ.setdefault("KVPILOT_TOKENIZER_CACHE", tempfile.mkdtemp(prefix="kvpilot-test-tokenizers-"))
 
 
 import pytest  # noqa: E402  (the environment flag above must be set first)

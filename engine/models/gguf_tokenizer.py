@@ -8,19 +8,40 @@ so prompts tokenize exactly as they do for a transformers model loaded from the 
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
+from kvpilot.engine.model_fetch import cache_root
 from kvpilot.engine.models.errors import ModelLoadError
 from kvpilot.engine.models.gguf_file import GGUFFile
 
+logger = logging.getLogger(__name__)
+TOKENIZER_CACHE_ENV = "KVPILOT_TOKENIZER_CACHE"  # default: $KVPILOT_CACHE/tokenizers
+CACHED_TOKENIZERS = 16  # the newest this many files' tokenizers are kept
+
 
 def load_gguf_tokenizer(path: str | Path):
-    """A transformers fast tokenizer built from the GGUF file's ``tokenizer.*`` metadata."""
+    """A transformers fast tokenizer built from the GGUF file's ``tokenizer.*`` metadata.
+
+    Building it takes seconds (transformers parses the file and converts the vocabulary); the result
+    is saved in ``$KVPILOT_TOKENIZER_CACHE`` (default ``$KVPILOT_CACHE/tokenizers``), keyed by the
+    file and the transformers version, so a later start of the same file loads it in a fraction of
+    that."""
     path = Path(path)
     if not path.is_file():
         GGUFFile(path)  # raises the error that says what is wrong with the path
+    cached = _cache_folder(path)
+    if (cached / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        except (OSError, ValueError) as exc:  # a cache entry cut short (a full disk): built again below
+            logger.info("tokenizer cache %s unusable (%s); building from the GGUF file", cached, exc)
     try:
         tokenizer = _from_the_file_alone(path)
     except Exception as exc:  # transformers' GGUF reader raises anything on a bad file
@@ -35,7 +56,32 @@ def load_gguf_tokenizer(path: str | Path):
         ) from exc
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"{path}: transformers built a slow tokenizer; kvpilot needs a fast one")
+    _save(tokenizer, cached)
     return tokenizer
+
+
+def _cache_folder(path: Path) -> Path:
+    import transformers
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+                         .encode()).hexdigest()[:16]
+    root = Path(os.environ.get(TOKENIZER_CACHE_ENV) or cache_root() / "tokenizers")
+    return root / f"{path.stem}-{key}"
+
+
+def _save(tokenizer, folder: Path) -> None:
+    """Saved under a temporary name and renamed: a concurrent start never reads half a folder. A cache
+    that cannot be written (a read-only home) only costs the next start the build."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, folder)
+        for stale in sorted(folder.parent.iterdir(), key=lambda f: f.stat().st_mtime)[:-CACHED_TOKENIZERS]:
+            shutil.rmtree(stale, ignore_errors=True)
+    except OSError as exc:
+        logger.info("tokenizer not cached in %s: %s", folder, exc)
 
 
 def _from_the_file_alone(path: Path):

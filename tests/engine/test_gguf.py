@@ -257,6 +257,27 @@ def test_gguf_tokenizer_and_chat_template(tiny_model_dirs, tiny_ggufs):
     )
 
 
+def test_a_gguf_tokenizer_is_built_once_then_loaded_from_the_cache(tiny_ggufs, tmp_path, monkeypatch):
+    from kvpilot.engine.models import gguf_tokenizer
+
+    monkeypatch.setenv(gguf_tokenizer.TOKENIZER_CACHE_ENV, str(tmp_path / "cache"))
+    built = load_tokenizer(tiny_ggufs["qwen2"])
+    assert [f.name for f in (tmp_path / "cache").iterdir()] and not any((tmp_path / "cache").glob(".*"))
+
+    def no_build(path):
+        raise AssertionError(f"built {path} again instead of loading the cache")
+
+    monkeypatch.setattr(gguf_tokenizer, "_from_the_file_alone", no_build)
+    cached = load_tokenizer(tiny_ggufs["qwen2"])
+    text = "Hello world, the capital of France is Paris. <|im_end|>"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert cached(text).input_ids == built(text).input_ids
+    assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        built.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (cached.bos_token, cached.eos_token, cached.all_special_tokens) == \
+        (built.bos_token, built.eos_token, built.all_special_tokens)
+
+
 def test_sentencepiece_vocabulary_adds_bos(tmp_path):
     """A llama (SentencePiece) vocabulary: pieces with scores, '▁' for spaces, BOS added by default."""
     # Scores fall with the position, so merges apply in list order: ▁h, ▁w, ▁he, ll, llo, ▁hello, ...
