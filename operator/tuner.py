@@ -55,7 +55,7 @@ class TunerConfig:
     max_margin: float = 0.25  # the most, however noisy the windows
     spread_margin: float = 2.0  # margin = this × the windows' relative spread of observed/predicted
     min_itl_samples: int = 300  # fewer inter-token gaps than this: the P99 is noise
-    min_steps: int = 100  # fewer engine steps than this: the step cost is noise
+    min_steps: int = 30  # fewer engine steps than this in a window: its step cost is noise (a 2-core CPU runs 30-100 in 20 s)
     max_growth: float = 4.0  # at most ×4 per interval upwards, once the step cost's slope is measured
     explore_growth: float = 2.0  # before that, at most ×2 (less where the squared headroom is less)
     max_backoff: float = 0.25  # at most ÷4 per interval downwards
