@@ -121,7 +121,17 @@ def _model_info(engine: Any) -> dict[str, str]:
         "attention_backend": resolved.attention_backend,
         "block_size": str(config.block_size),
         "max_model_len": str(resolved.max_model_len),
+        # The matmul kernels picked at load for this CPU and file (w4a8/w8a8: int8 activations).
+        "weight_layouts": weight_layouts(engine.runner.model),
     }
+
+
+def weight_layouts(model: Any) -> str:
+    """The layouts of a model's packed weights, e.g. "w4a8,w8a8"; "dense" when none is packed."""
+    from kvpilot.engine.quantization.linear import QuantizedLinear
+
+    layouts = sorted({m.layout for m in model.modules() if isinstance(m, QuantizedLinear)})
+    return ",".join(layouts) or "dense"
 
 
 ADMIN_PATH_PREFIX = "/admin/"

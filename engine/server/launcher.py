@@ -163,10 +163,12 @@ def _seconds_since_exec() -> float | None:
 
 def _log_engine(engine: Any, served_name: str) -> None:
     config, resolved, arch = engine.config, engine.resolved, engine.arch
+    from kvpilot.engine.server.api_server import weight_layouts
+
     logger.info(
-        "loaded %s (%s, %d layers, hidden %d, vocab %d) on %s as %s, attention backend %s",
+        "loaded %s (%s, %d layers, hidden %d, vocab %d) on %s as %s, attention backend %s, weights %s",
         config.model, arch.architecture, arch.num_layers, arch.hidden_size, arch.vocab_size,
-        resolved.device, resolved.dtype, resolved.attention_backend,
+        resolved.device, resolved.dtype, resolved.attention_backend, weight_layouts(engine.runner.model),
     )  # fmt: skip
     logger.info(
         "KV cache: %d blocks x %d tokens = %d token slots (%.1f MiB); max_model_len %d, max_num_seqs %d, "

@@ -57,3 +57,14 @@ def test_this_machine_is_probed():
     features = cpu_features.detect()
     assert features.flags  # /proc/cpuinfo on Linux
     assert features.summary()
+
+
+@pytest.mark.parametrize("saved,cpu,expected", [
+    ("float32", ZEN4, "float32"),  # a float32 checkpoint is asked for in full precision
+    ("bfloat16", ZEN4, "bfloat16"), ("bfloat16", AVX2_EPYC, "float32"),  # not emulated bfloat16 on AVX2
+    ("float16", AVX2_EPYC, "float32"), (None, ZEN4, "bfloat16"), (None, AVX2_EPYC, "float32"),  # None: a GGUF
+])
+def test_dtype_auto_follows_the_cpu(saved, cpu, expected):
+    from kvpilot.engine.startup import auto_cpu_dtype
+
+    assert auto_cpu_dtype(saved, cpu_features.parse(cpu)) == expected
