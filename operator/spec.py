@@ -417,41 +417,34 @@ class EngineParams(EngineSettings):
     )
 
 
-class MaxNumSeqsBounds(SpecModel):
+def _min_at_most_max(field: str) -> Rule:
+    return Rule(cel="self.min <= self.max", message=f"tuning.{field}.min must be at most tuning.{field}.max",
+                check=lambda b: b.min <= b.max, field_path=".min")
+
+
+class _WholeBounds(SpecModel):
+    min: int
+    max: int
+
+    def clamp(self, value: float) -> int:
+        """The whole number nearest ``value`` from below, within the bounds."""
+        return int(min(max(math.floor(value), self.min), self.max))
+
+
+class MaxNumSeqsBounds(_WholeBounds):
     """Bounds the tuner keeps engine.maxNumSeqs within."""
 
     min: int = Field(default=1, ge=1, description="Smallest maxNumSeqs the tuner may set.")
     max: int = Field(default=256, ge=1, le=4096, description="Largest maxNumSeqs the tuner may set.")
-    rules: ClassVar[tuple[Rule, ...]] = (
-        Rule(
-            cel="self.min <= self.max",
-            message="tuning.maxNumSeqs.min must be at most tuning.maxNumSeqs.max",
-            check=lambda b: b.min <= b.max,
-            field_path=".min",
-        ),
-    )
-
-    def clamp(self, value: float) -> int:
-        """The whole number of sequences nearest ``value`` from below, within the bounds."""
-        return int(min(max(math.floor(value), self.min), self.max))
+    rules: ClassVar[tuple[Rule, ...]] = (_min_at_most_max("maxNumSeqs"),)
 
 
-class BatchedTokensBounds(SpecModel):
+class BatchedTokensBounds(_WholeBounds):
     """Bounds the tuner keeps engine.maxNumBatchedTokens within."""
 
     min: int = Field(ge=1, le=MAX_TOKENS, description="Smallest maxNumBatchedTokens the tuner may set.")
     max: int = Field(ge=1, le=MAX_TOKENS, description="Largest maxNumBatchedTokens the tuner may set.")
-    rules: ClassVar[tuple[Rule, ...]] = (
-        Rule(
-            cel="self.min <= self.max",
-            message="tuning.maxNumBatchedTokens.min must be at most tuning.maxNumBatchedTokens.max",
-            check=lambda b: b.min <= b.max,
-            field_path=".min",
-        ),
-    )
-
-    def clamp(self, value: float) -> int:
-        return int(min(max(math.floor(value), self.min), self.max))
+    rules: ClassVar[tuple[Rule, ...]] = (_min_at_most_max("maxNumBatchedTokens"),)
 
 
 class MemoryFractionBounds(SpecModel):
