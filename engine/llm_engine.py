@@ -34,6 +34,7 @@ from kvpilot.engine.spec_decode.draft_proposer import DraftModelProposer
 from kvpilot.engine.spec_decode.ngram_proposer import NgramProposer
 from kvpilot.engine.spec_decode.speculator import NoSpeculation, SpecDecodeStats, Speculator
 from kvpilot.engine.startup import start
+from kvpilot.engine.structured_outputs import GrammarCompiler
 from kvpilot.engine.step_cost import StepCost, StepCostSnapshot
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.speculator = self._build_speculator(draft_model)
+        self.grammars = GrammarCompiler(tokenizer, arch.vocab_size)
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
         self._sequences: dict[str, _Sequence] = {}  # by sequence (scheduler) id
@@ -184,6 +186,8 @@ class LLMEngine:
         prompt: str | None = None,
     ) -> None:
         self._validate(request_id, prompt_token_ids, params)
+        constraint = params.structured_outputs
+        matchers = self.grammars.matchers(constraint, params.n) if constraint is not None else [None] * params.n
         arrival = time.monotonic() if arrival_time is None else arrival_time
         prompt_token_ids = list(prompt_token_ids)
         state = _RequestState(
@@ -207,6 +211,7 @@ class LLMEngine:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 generator=generator,
+                matcher=matchers[index],
             )
             sequence = _Sequence(
                 state=state,
@@ -286,6 +291,10 @@ class LLMEngine:
             if sequence.logprobs is not None and logprobs is not None:
                 sequence.logprobs.append(logprobs)
                 sequence.cumulative_logprob += logprobs.get(token_id, 0.0)
+            matcher = request.sampling_input.matcher
+            if matcher is not None and (not matcher.consume_token(token_id) or matcher.is_stopped()):
+                sequence.detokenizer.append(token_id)
+                return RequestStatus.FINISHED_STOPPED  # the grammar is complete (or, never with the mask, broken)
             return self._check_stop(request, sequence, token_id)
 
         update = self.scheduler.update_from_output(

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.structured_outputs import mask_disallowed
 
 # Smallest exponential draw allowed: exponential_() can return 0, and 0/0 would be NaN.
 _MIN_EXPONENTIAL = 1e-20
@@ -27,6 +29,7 @@ class SamplingInput:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None  # on the logits' device; seeded when params.seed is set
+    matcher: Any = None  # an llguidance.LLMatcher when the output is constrained (structured outputs)
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Sampler:
             raise ValueError(f"got {logits.shape[0]} rows of logits for {len(inputs)} sampling inputs")
         processed = self._apply_min_tokens(logits, inputs)
         processed = _apply_penalties(processed, inputs)
+        processed = mask_disallowed(processed, [inp.matcher for inp in inputs])
         token_ids = processed.argmax(dim=-1)  # [num_requests]; right for greedy rows
         random_rows = [i for i, inp in enumerate(inputs) if not inp.params.is_greedy]
         if random_rows:

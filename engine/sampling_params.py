@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvpilot.engine.structured_outputs import StructuredOutputsParams
+
 # Below this a temperature means greedy: dividing logits by it would only overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
@@ -29,6 +31,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per token, plus the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # What the output must match (a JSON schema, a regex, ...: engine/structured_outputs.py); a dict
+    # of StructuredOutputsParams' fields is taken too.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +41,10 @@ class SamplingParams:
         else:
             self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its fields")
         self._validate()
 
     @property

@@ -148,8 +148,8 @@ class Speculator:
 
     def _num_to_propose(self, request: Request) -> int:
         params = request.params
-        if params.has_penalties or params.logprobs is not None:
-            return 0
+        if params.has_penalties or params.logprobs is not None or request.sampling_input.matcher is not None:
+            return 0  # (a constrained row: its proposals would have to be checked against the grammar)
         num_output = len(request.output_token_ids)
         if num_output < params.min_tokens:
             return 0
