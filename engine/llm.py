@@ -111,6 +111,32 @@ class LLM:
             raise
         return self._run(request_ids, use_tqdm)
 
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a list
+        of them, rendered with the model's chat template (or ``chat_template``, a Jinja template) and
+        generated as ``generate`` does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        try:
+            texts = [tokenizer.apply_chat_template(list(conversation), tokenize=False, chat_template=chat_template,
+                                                   add_generation_prompt=add_generation_prompt)
+                     for conversation in conversations]
+        except (ValueError, TypeError) as exc:  # no template, or a template that rejects the messages
+            raise InvalidRequestError(f"messages: the chat template cannot render them: {exc}") from None
+        # The rendered template already holds the BOS text, if the model uses one.
+        outputs = self.generate([tokenizer.encode(text, add_special_tokens=False) for text in texts],
+                                sampling_params, use_tqdm)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         wanted = set(request_ids)

@@ -29,6 +29,7 @@ import torch
 from kvpilot.engine.request import InvalidRequestError
 
 FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+JSON_WHITESPACE = r"[\n\t ]{0,8}"  # what may separate JSON tokens
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,10 @@ class StructuredOutputsParams:
         import llguidance
 
         matcher = llguidance.LLMatcher
-        options = {"whitespace_flexible": False} if self.disable_any_whitespace else None
+        # Between JSON tokens: none, or a bounded run (unbounded, a small model can fill its whole
+        # budget with newlines and never close the object).
+        options = {"whitespace_flexible": False} if self.disable_any_whitespace else \
+            {"whitespace_pattern": JSON_WHITESPACE}
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):
@@ -119,9 +123,10 @@ class GrammarCompiler:
                                       "pip install 'kvpilot[engine]' (or pip install llguidance)") from None
         return llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab_size)
 
-    def matchers(self, params: StructuredOutputsParams, count: int) -> list[Any]:
-        """``count`` fresh matchers (one per sequence of a request); InvalidRequestError naming the
-        field when the constraint cannot be compiled."""
+    def check(self, params: StructuredOutputsParams) -> str:
+        """The constraint's grammar, compiled and checked against the vocabulary; InvalidRequestError
+        naming the field when it cannot be. The server calls it off the engine's thread, before it
+        queues the request, so the engine's own call finds it cached."""
         import llguidance
 
         field = f"structured_outputs.{params.field}"
@@ -129,13 +134,29 @@ class GrammarCompiler:
             grammar = _grammar_text(params)
         except ValueError as exc:
             raise InvalidRequestError(f"{field}: {exc}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._lltokenizer)
+        error = _validation_error(grammar, self._lltokenizer)
         if error:
             raise InvalidRequestError(f"{field}: {error}")
+        return grammar
+
+    def matchers(self, params: StructuredOutputsParams, count: int) -> list[Any]:
+        """``count`` fresh matchers (one per sequence of a request); InvalidRequestError naming the
+        field when the constraint cannot be compiled."""
+        import llguidance
+
+        field = f"structured_outputs.{params.field}"
+        grammar = self.check(params)
         matchers = [llguidance.LLMatcher(self._lltokenizer, grammar) for _ in range(count)]
         if matchers[0].is_error():
             raise InvalidRequestError(f"{field}: {matchers[0].get_error()}")
         return matchers
+
+
+@functools.lru_cache(maxsize=256)
+def _validation_error(grammar: str, lltokenizer: Any) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
 
 
 @functools.lru_cache(maxsize=256)

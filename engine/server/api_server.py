@@ -83,6 +83,7 @@ class ServerState:
             self.async_engine,
             engine.tokenizer,
             ModelInfo(settings.served_model_name, engine.config.model, engine.max_model_len),
+            engine.grammars,
         )
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -9,7 +9,7 @@ fields keep working.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -44,6 +44,26 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: str | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema: required when type is json_schema")
+        return self
+
+
 class SamplingFields(OpenAIModel):
     """Sampling fields shared by both endpoints (OpenAI's, then vLLM's extras)."""
 
@@ -68,6 +88,10 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (json, regex, choice,
+    # grammar, json_object, disable_any_whitespace), engine/structured_outputs.py.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:
@@ -75,6 +99,9 @@ class SamplingFields(OpenAIModel):
             raise ValueError("logit_bias: not supported by kvpilot; remove it")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("structured_outputs: give either it or response_format, not both")
         return self
 
 
@@ -126,7 +153,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict] | None = None
-    response_format: dict | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -137,8 +163,6 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs: only allowed when logprobs is true")
         if self.tools:
             raise ValueError("tools: tool calling is not supported by kvpilot; remove tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: set add_generation_prompt to false with it")
         return self

@@ -20,8 +20,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.engine.request import InvalidRequestError
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server import protocol as p
+from kvpilot.engine.structured_outputs import GrammarCompiler, StructuredOutputsParams
 from kvpilot.engine.server.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -73,8 +75,23 @@ class ServingError(Exception):
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop_token_ids", "stop", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
-    "skip_special_tokens", "include_stop_str_in_output",
+    "skip_special_tokens", "include_stop_str_in_output", "structured_outputs", "response_format",
 )  # fmt: skip
+
+
+def _constraint(request: p.SamplingFields) -> StructuredOutputsParams | None:
+    """The request's structured-output constraint: vLLM's structured_outputs or OpenAI's response_format."""
+    if request.structured_outputs is not None:
+        return StructuredOutputsParams.from_dict(request.structured_outputs)
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    schema = response_format.json_schema.schema_
+    if not schema:
+        raise ValueError("response_format.json_schema.schema: give the JSON schema the output must match")
+    return StructuredOutputsParams(json=schema)
 
 
 def param_from_message(message: str, candidates: Sequence[str] = _SAMPLING_FIELDS) -> str | None:
@@ -105,9 +122,10 @@ class _PromptInput:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model: ModelInfo) -> None:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model: ModelInfo, grammars: GrammarCompiler) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.model = model
         self._token_text: dict[int, str] = {}
 
@@ -141,6 +159,7 @@ class OpenAIServing:
                 for prompt in prompts
             ]
             request_id = f"cmpl-{uuid.uuid4().hex}"
+            await self._check_constraint(request, params[0])
             streams = await self._add_all(request_id, prompts, params, "prompt")
         except ServingError as exc:
             return exc.result
@@ -166,6 +185,7 @@ class OpenAIServing:
             top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
             params = [self._sampling_params(request, prompt, request.output_token_limit(), top_logprobs, "messages")]
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            await self._check_constraint(request, params[0])
             streams = await self._add_all(request_id, [prompt], params, "messages")
         except ServingError as exc:
             return exc.result
@@ -253,9 +273,24 @@ class OpenAIServing:
             if (value := getattr(request, name)) is not None:
                 values[name] = value
         try:
+            values["structured_outputs"] = _constraint(request)
             return SamplingParams(**values)
         except ValueError as exc:
             raise ServingError(error(400, str(exc), param=param_from_message(str(exc)))) from None
+
+    async def _check_constraint(self, request: p.SamplingFields, params: SamplingParams) -> None:
+        """A structured-output constraint compiled off the engine's thread (it takes the vocabulary's
+        llguidance view a second the first time), and refused with a 400 before anything is queued,
+        naming the field the client sent."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.grammars.check, params.structured_outputs)
+        except InvalidRequestError as exc:
+            field, _, problem = str(exc).partition(": ")
+            if request.structured_outputs is None:  # it came from response_format
+                field = "response_format.json_schema.schema" if field.endswith(".json") else "response_format"
+            raise ServingError(error(400, f"{field}: {problem}", param=field)) from None
 
     async def _add_all(
         self, request_id: str, prompts: list[_PromptInput], params: list[SamplingParams], prompt_param: str

@@ -106,3 +106,17 @@ def test_exactly_one_kind_of_constraint():
         SamplingParams(structured_outputs={"guided_json": SCHEMA})
     with pytest.raises(ValueError, match="choice must be a non-empty list"):
         StructuredOutputsParams(choice="yes")
+
+
+def test_llm_chat_renders_the_template_and_takes_a_constraint(llm):
+    conversation = [{"role": "user", "content": "Pick a colour."}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"choice": ["red", "green"]})
+    (one,) = llm.chat(conversation, params, use_tqdm=False)
+    assert one.outputs[0].text in ("red", "green")
+    template = llm.get_tokenizer().apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert one.prompt == template
+    both = llm.chat([conversation, conversation + [{"role": "assistant", "content": "red"},
+                                                   {"role": "user", "content": "Another?"}]], params, use_tqdm=False)
+    assert [o.outputs[0].text in ("red", "green") for o in both] == [True, True]
+    own = llm.chat(conversation, params, use_tqdm=False, chat_template="{{ messages[0]['content'] }} ->")
+    assert own[0].prompt == "Pick a colour. ->"
