@@ -21,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from kvpilot.engine_contract import API_KEY_ENV
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
@@ -183,8 +184,12 @@ def test_example_becomes_children_and_serves(cluster, kube, operator, tiny_spec)
         assert ref["uid"] == owner["metadata"]["uid"] and ref["controller"] is True
     assert kube.get("policy/v1", "PodDisruptionBudget", NS, "tiny") is None  # one replica
 
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"][:2] == ["serve", str(Path(tiny_spec["spec"]["model"]["uri"][len("file://"):]))]
+    pod_spec = deployment["spec"]["template"]["spec"]
+    container = pod_spec["containers"][0]
+    # The node's model folder is mounted at /mnt/models, which the engine serves.
+    assert container["args"][:2] == ["serve", "/mnt/models"]
+    volume = next(v for v in pod_spec["volumes"] if v["name"] == "model")
+    assert volume["hostPath"] == {"path": tiny_spec["spec"]["model"]["uri"][len("file://"):], "type": "Directory"}
     assert _flag(container["args"], "--served-model-name") == "tiny"
     assert _flag(container["args"], "--max-num-seqs") == "16"
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
@@ -326,15 +331,30 @@ def test_full_example_renders_every_field(cluster, kube, operator):
     # Keep the service still while its children are inspected: no autoscaler or tuner moves it.
     full["spec"]["autoscaling"]["enabled"] = False
     full["spec"]["tuning"]["enabled"] = False
+    # The example's IfNotPresent is what the API server defaults a tagged image to: it would show unrendered.
+    full["spec"]["imagePullPolicy"] = "Always"
     _apply(cluster, full)
     deployment = _wait(cluster, lambda: kube.get("apps/v1", "Deployment", NS, "llama3-8b"), 30, "the Deployment")
     pod_spec = deployment["spec"]["template"]["spec"]
     container = pod_spec["containers"][0]
-    assert container["image"] == "ghcr.io/kvpilot/kvpilot:0.1.0"
+    assert deployment["spec"]["replicas"] == 2
+    assert container["image"] == "ghcr.io/kvpilot/kvpilot:0.1.0" and container["imagePullPolicy"] == "Always"
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "cpu": "8", "memory": "48Gi"}
     args = container["args"]
     assert _flag(args, "--max-num-batched-tokens") == "8192" and _flag(args, "--dtype") == "bfloat16"
     assert _flag(args, "--served-model-name") == "llama3" and args[-2:] == ["--max-waiting-requests", "512"]
+    assert _flag(args, "--max-num-seqs") == "64" and _flag(args, "--gpu-memory-utilization") == "0.9"
+    assert _flag(args, "--block-size") == "16" and _flag(args, "--max-model-len") == "8192"
+    assert "--enable-chunked-prefill" in args and "--enable-prefix-caching" in args
+    assert _flag(args, "--quantization") == "auto"
+    assert json.loads(_flag(args, "--speculative-config")) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+        "disable_by_batch_size": 4,
+    }
+    # The client API key reaches the engine from its Secret, never as a value in the pod spec.
+    env = {e["name"]: e for e in container["env"]}
+    assert env[API_KEY_ENV] == {"name": API_KEY_ENV,
+                                "valueFrom": {"secretKeyRef": {"name": "llama3-8b-api-key", "key": "key"}}}
     assert pod_spec["nodeSelector"] == full["spec"]["nodeSelector"]
     assert pod_spec["tolerations"] == full["spec"]["tolerations"]
     assert pod_spec["affinity"] == full["spec"]["affinity"]

@@ -33,7 +33,7 @@ NS = "kvpilot-tuning-e2e"
 RELEASE = "kvt"
 NAME = "tuned"
 OPERATOR_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
-OPERATOR_HEALTH_PORT = 18491  # pods share the host's network: clear of the other e2e suite's ports
+OPERATOR_HEALTH_PORT = 18551  # pods share the host's network: clear of the other e2e modules' ports
 ENGINE_READY_S = 240
 SCALE_DOWN_WINDOW_S = 20
 
@@ -300,7 +300,7 @@ def test_a_ttft_slo_broken_by_queueing_adds_a_replica_not_a_larger_batch(cluster
         engine_values.append(status["engine"]["maxNumSeqs"])
         reasons.append(status["tuning"]["reason"])
         return kube.get_inference_service(NS, NAME)["spec"]["replicas"] == 2 and \
-            any("from queueing, which more replicas cure" in r for r in reasons)
+            any("queueing, which more replicas cure" in r for r in reasons)
 
     _wait(cluster, kube, scaled_out_while_the_tuner_held, 180, "a replica added for the TTFT, the batch held")
     assert max(engine_values) <= tuned, engine_values  # the old tuner grew the batch for a TTFT-only SLO

@@ -70,8 +70,11 @@ def test_include_stop_str_in_output(tokenizer):
     assert stop == "STOP" and detok.text == "one two STOP" == "".join(deltas)
 
 
-def test_earliest_stop_string_wins(tokenizer):
-    _, stop, detok = stream(tokenizer, encode(tokenizer, "alpha beta gamma"), stop=["gamma", "beta"])
+@pytest.mark.parametrize("stops", [["eta", "beta"], ["beta", "eta"]])
+def test_earliest_stop_string_wins(tokenizer, stops):
+    # Both stops end with the same character, so the same token completes both: the one that starts
+    # first in the text wins, whatever its place in the list.
+    _, stop, detok = stream(tokenizer, encode(tokenizer, "alpha beta gamma"), stop=stops)
     assert stop == "beta" and detok.text == "alpha "
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -123,10 +125,48 @@ def test_stop_string_truncates_text(llm):
     assert completion.text == text[: text.index(stop)]
 
 
-def test_min_tokens_with_max_tokens(llm):
+MIN_TOKENS_PROMPT = "min tokens"
+
+
+@pytest.fixture(scope="module")
+def first_token(llm) -> int:
+    """The token the tiny model greedily writes first for MIN_TOKENS_PROMPT."""
+    (free,) = llm.generate(MIN_TOKENS_PROMPT, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    return free.outputs[0].token_ids[0]
+
+
+@pytest.fixture(scope="module")
+def eos_first_llm(tiny_model_dir, tmp_path_factory, first_token) -> LLM:
+    """The tiny model with that first token listed as an EOS token too (generation_config.json may list
+    several, as Llama 3's does): a random model that ends at once, where it would almost never emit its own EOS."""
+    folder = tmp_path_factory.mktemp("eos_first") / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    generation_config = json.loads((folder / "generation_config.json").read_text())
+    generation_config["eos_token_id"] = [generation_config["eos_token_id"], first_token]
+    (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return LLM(str(folder), dtype="float32", device="cpu", max_model_len=128, max_num_seqs=8)
+
+
+def test_min_tokens_holds_back_the_eos_the_model_would_write_first(eos_first_llm, first_token):
+    (ended,) = eos_first_llm.generate(MIN_TOKENS_PROMPT, SamplingParams(temperature=0.0, max_tokens=8),
+                                      use_tqdm=False)
+    assert ended.outputs[0].token_ids == [first_token] and ended.outputs[0].finish_reason == "stop"
     params = SamplingParams(temperature=0.0, min_tokens=5, max_tokens=5)
-    (output,) = llm.generate("min tokens", params, use_tqdm=False)
-    assert len(output.outputs[0].token_ids) == 5
+    (output,) = eos_first_llm.generate(MIN_TOKENS_PROMPT, params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert len(completion.token_ids) == 5 and first_token not in completion.token_ids
+    assert completion.finish_reason == "length"
+
+
+def test_min_tokens_holds_back_a_stop_token_the_model_would_write_first(llm, first_token):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[first_token])
+    (ended,) = llm.generate(MIN_TOKENS_PROMPT, params, use_tqdm=False)
+    assert ended.outputs[0].token_ids == [first_token] and ended.outputs[0].stop_reason == first_token
+    params = SamplingParams(temperature=0.0, min_tokens=4, max_tokens=8, ignore_eos=True,
+                            stop_token_ids=[first_token])
+    (output,) = llm.generate(MIN_TOKENS_PROMPT, params, use_tqdm=False)
+    token_ids = output.outputs[0].token_ids
+    assert len(token_ids) >= 4 and first_token not in token_ids[:4]
 
 
 def test_seeded_sampling_is_reproducible_regardless_of_batch(llm):

@@ -84,14 +84,40 @@ def test_min_p_drops_tokens_below_fraction_of_the_best():
 
 
 def test_per_row_settings_in_one_batch():
-    logits = random_logits(3)
-    inputs = [
-        make_input(SamplingParams(temperature=1.0, top_k=1), seed=1),
-        make_input(SamplingParams(temperature=0.0)),
-        make_input(SamplingParams(temperature=1.0, top_p=1e-9), seed=2),
+    """Each row's own settings pick a different token: a row sampled with another row's settings, or
+    its token written to another row, changes the answer."""
+    ranked = torch.zeros(VOCAB)
+    ranked[EOS], ranked[10], ranked[11], ranked[12], ranked[13] = 5.0, 4.0, 3.0, 2.0, 1.0
+    flat = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3)) * 0.1  # ~1/VOCAB each
+    close = torch.zeros(VOCAB)
+    close[20], close[21] = 1.0, 0.9  # cold, 20 is all but certain; at temperature 1 nearly anything goes
+    rows = [  # (logits, settings, prompt, output, the token its settings pick; None: what it draws alone)
+        (ranked, SamplingParams(temperature=0.0), [5], [], EOS),
+        (ranked, SamplingParams(temperature=0.0, min_tokens=1), [5], [], 10),  # EOS masked
+        # 5 / 10 and 4 / 10 fall below 3: both prompt tokens lose to 11.
+        (ranked, SamplingParams(temperature=0.0, repetition_penalty=10.0), [EOS, 10], [], 11),
+        # 5 - 2 x 2, 4 - 2 x 2 and 3 - 2 x 1 fall below 2: 12.
+        (ranked, SamplingParams(temperature=0.0, frequency_penalty=2.0), [5], [EOS, EOS, 10, 10, 11], 12),
+        # Random, but top_k=1 leaves one token, and min_tokens bans EOS and the stop tokens.
+        (ranked, SamplingParams(temperature=1.0, top_k=1, min_tokens=1, stop_token_ids=[10, 11, 12], seed=1),
+         [5], [], 13),
+        (flat, SamplingParams(temperature=1.0, seed=7), [5], [], None),
+        (flat, SamplingParams(temperature=1.0, top_k=3, seed=8), [5], [], None),
+        (flat, SamplingParams(temperature=1.0, top_p=1e-9, seed=9), [5], [], int(flat.argmax())),
+        (close, SamplingParams(temperature=0.01, seed=10), [5], [], 20),
     ]
-    out = Sampler([EOS]).sample(logits, inputs)
-    assert out.token_ids == logits.argmax(-1).tolist()
+
+    def inputs(params, prompt, output):
+        return make_input(params, prompt=prompt, output=output, seed=params.seed)
+
+    expected = [
+        Sampler([EOS]).sample(logits[None].clone(), [inputs(*row)]).token_ids[0] if token is None else token
+        for logits, *row, token in rows
+    ]
+    # Every row's answer is its own, so rows that swapped settings or tokens cannot go unseen.
+    assert len(set(expected)) == len(rows)
+    out = Sampler([EOS]).sample(torch.stack([logits for logits, *_ in rows]), [inputs(*row) for _, *row, _ in rows])
+    assert out.token_ids == expected
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():

@@ -51,12 +51,15 @@ def free_port() -> int:
 class FakeEngine:
     """An engine stand-in. ``behavior`` is ok (JSON, or SSE when the body says stream), a status to refuse
     with, ``paced`` (SSE, one chunk each time ``release()`` is called, the end at ``release(more=False)``)
-    or ``break`` (a chunk, then the connection drops)."""
+    or ``break`` (a chunk, then the connection drops). With an ``api_key``, it answers 401 as the engine
+    does (before reading the body) unless the request carries ``Authorization: Bearer <api_key>``."""
 
     name: str
     url: str = ""
     behavior: str | int = "ok"
+    api_key: str | None = None
     requests: list[dict] = field(default_factory=list)
+    authorizations: list[str | None] = field(default_factory=list)  # each request's Authorization header
     aborted: threading.Event = field(default_factory=threading.Event)
     _pace: asyncio.Queue | None = None
     _loop: asyncio.AbstractEventLoop | None = None
@@ -66,6 +69,11 @@ class FakeEngine:
         self._loop.call_soon_threadsafe(self._pace.put_nowait, more)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.authorizations.append(request.headers.get("Authorization"))
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            error = {"message": "Invalid or missing API key.", "type": "authentication_error", "param": None,
+                     "code": None}
+            return web.json_response({"error": error}, status=401, headers={"WWW-Authenticate": "Bearer"})
         body = await request.json()
         self.requests.append(body)
         if isinstance(self.behavior, int):

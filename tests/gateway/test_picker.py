@@ -50,13 +50,19 @@ def test_removing_a_pod_moves_only_the_prefixes_it_owned():
     assert moved and all(before[p] == PODS[-1] for p in moved)
 
 
-def test_an_overloaded_owner_spills_to_the_next_pod_of_its_ranking():
+def test_an_overloaded_owner_spills_down_its_ranking_whatever_the_request():
     affinity = _hash("popular system prompt")
-    owner, second = rendezvous_rank(affinity, PODS)[:2]
-    loads = {k: 1.0 for k in PODS}
-    loads[owner] = 10.0  # far over 1.5 x the mean
-    result = pick([Candidate(k, v) for k, v in loads.items()], affinity, b"r")
-    assert result.key == second and result.reason == contract.REASON_PREFIX_SPILL
+    ranking = rendezvous_rank(affinity, PODS)
+    # Each pod of the ranking a little more loaded than the next: least-loaded would pick the last one.
+    loads = {key: 11.0 - position for position, key in enumerate(ranking)}  # 11, 10, 9, 8
+    loads[ranking[0]] = 30.0  # the owner, far over 1.5 x the mean (bound 21.75; the others have room)
+    kv_full: set[str] = set()
+    for spill_to in ranking[1:]:
+        for i in range(20):
+            candidates = [Candidate(k, v, 0.99 if k in kv_full else 0.1) for k, v in loads.items()]
+            result = pick(candidates, affinity, _hash(f"request {i}"))
+            assert result == type(result)(spill_to, contract.REASON_PREFIX_SPILL), (spill_to, kv_full)
+        kv_full.add(spill_to)  # then that pod's KV cache fills up too: the next one in the ranking
 
 
 def test_the_owner_keeps_its_prefix_while_within_its_share():

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
+import yaml
 
-from kvpilot.operator import builders, spec, tuning_configmap
+from kvpilot.operator import builders, crd, spec, tuning_configmap
 from kvpilot.operator.settings import OperatorSettings
 
 SETTINGS = OperatorSettings(engine_image="registry.example/kvpilot:1.2.3")
@@ -203,8 +208,41 @@ def test_admin_secret_holds_the_token_and_rejects_weak_ones():
         builders.build_admin_secret("llama", "ml", "short")
 
 
+FULL_SPEC = yaml.safe_load((crd.REPO_ROOT / "examples" / "full.yaml").read_text())["spec"]  # every field set
+_RENDER = """
+import dataclasses, json, sys
+from kvpilot.operator import builders, spec, tuning_configmap
+from kvpilot.operator.settings import OperatorSettings
+parsed = spec.parse_spec(json.load(sys.stdin))
+children = builders.build_children("llama", "ml", parsed, tuning_configmap.settings_in_effect(parsed, None),
+                                   OperatorSettings(engine_image=sys.argv[1]))
+print(json.dumps(dataclasses.asdict(children)))
+"""
+
+
+def _render_in_a_new_process(spec_dict: dict, hash_seed: int) -> str:
+    env = {**os.environ, "PYTHONHASHSEED": str(hash_seed)}
+    result = subprocess.run([sys.executable, "-c", _RENDER, SETTINGS.engine_image], input=json.dumps(spec_dict),
+                            env=env, capture_output=True, text=True, timeout=120, check=True)
+    return result.stdout.strip()
+
+
+def _reversed_mappings(value):
+    """``value`` with the keys of every mapping in it in the opposite order."""
+    if isinstance(value, dict):
+        return {k: _reversed_mappings(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [_reversed_mappings(v) for v in value]
+    return value
+
+
 def test_builders_are_deterministic():
-    assert _children({"model": {"uri": "hf://a/b"}, "replicas": 2}) == _children({"model": {"uri": "hf://a/b"}, "replicas": 2})
+    """The same spec renders the same bytes in every process (sets and hashes of str differ between
+    processes with PYTHONHASHSEED), and the same manifests whatever order its keys were written in."""
+    renders = {_render_in_a_new_process(FULL_SPEC, seed) for seed in range(1, 5)}
+    here = json.dumps(dataclasses.asdict(_children(FULL_SPEC)))
+    assert renders == {here}, "the manifests differ between processes"
+    assert _children(_reversed_mappings(FULL_SPEC)) == _children(FULL_SPEC)
 
 
 def test_engine_pods_get_no_api_token():

@@ -109,12 +109,25 @@ def test_namespaced_scope_renders_a_role_per_namespace():
     assert env["KVPILOT_NAMESPACES"] == "ml,research"
 
 
-def test_rbac_grants_no_wildcards_and_no_secret_reads_beyond_get():
-    role = next(d for d in _render() if d["kind"] == "ClusterRole")
-    for rule in role["rules"]:
-        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-        if "secrets" in rule["resources"]:
-            assert set(rule["verbs"]) == {"get", "create"}
+@pytest.mark.parametrize("scope, operator_roles", [
+    ("cluster", {("ClusterRole", None)}),
+    ("namespaced", {("Role", "ml"), ("Role", "research")}),
+])
+def test_rbac_grants_no_wildcards_and_no_secret_reads_beyond_get(scope, operator_roles):
+    docs = _render("--set", f"rbac.scope={scope}", "--set", "rbac.watchNamespaces={ml,research}",
+                   "--set", "gateway.enabled=true", "--set", "replicaCount=2")
+    roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
+    secrets = []
+    for role in roles:
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+            if "secrets" in rule["resources"]:
+                secrets.append((role["kind"], role["metadata"]["name"], role["metadata"].get("namespace"),
+                                sorted(rule["verbs"])))
+    # The operator creates each service's admin-token Secret and reads it back by name; nothing more
+    # (list or watch would read every Secret of the namespace), and no other role touches Secrets.
+    assert sorted(secrets) == sorted((kind, "kv-kvpilot", namespace, ["create", "get"])
+                                     for kind, namespace in operator_roles)
 
 
 def _env(docs: list[dict]) -> dict:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 
 import pytest
+import yaml
 
 from kvpilot import kube_contract
-from kvpilot.operator import cli
+from kvpilot.operator import cli, crd
 from kvpilot.operator.settings import OperatorSettings, SettingsError
 
 
@@ -98,3 +101,75 @@ def test_kopf_logs_in_with_the_same_credentials_as_our_client():
     info = connection_info(configuration)
     assert info.server == "https://10.0.0.1:6443" and info.ca_path == "/pki/ca.crt"
     assert info.scheme == "Bearer" and info.token == "abc.def" and info.insecure is False
+
+
+# --- `kvpilot operator` and `kvpilot crd` as a user runs them --------------------------------
+
+
+@pytest.fixture
+def operator_run(monkeypatch, tmp_path):
+    """``operator_run(*argv, **env)``: `kvpilot operator ARGV` with only ``env`` as KVPILOT_* environment;
+    returns what it would run the operator with (run_operator's arguments) instead of running it."""
+    from kvpilot import cli as kvpilot_cli
+    from kvpilot.operator import runner
+
+    monkeypatch.setattr(kube_contract, "NAMESPACE_FILE", str(tmp_path / "absent"))
+    calls = []
+    monkeypatch.setattr(runner, "run_operator", lambda settings, **kwargs: calls.append((settings, kwargs)) or 0)
+
+    def run(*argv: str, **env: str) -> tuple[OperatorSettings, dict]:
+        for name in [n for n in os.environ if n.startswith("KVPILOT_")]:
+            monkeypatch.delenv(name)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert kvpilot_cli.main(["operator", *argv]) == 0
+        return calls.pop()
+
+    return run
+
+
+ENVIRONMENT = {"KVPILOT_ENGINE_IMAGE": "r.example/kvpilot:env", "KVPILOT_RESYNC_SECONDS": "7",
+               "KVPILOT_HEALTH_PORT": "9001", "KVPILOT_LOG_LEVEL": "warning", "KVPILOT_NAMESPACES": "env-a,env-b",
+               "KVPILOT_ENGINE_BIND_POD_IP": "true"}
+
+
+def test_operator_takes_its_settings_from_the_environment(operator_run):
+    settings, kwargs = operator_run(**ENVIRONMENT)
+    assert settings == OperatorSettings.from_env(ENVIRONMENT)
+    assert (settings.engine_image, settings.resync_seconds, settings.health_port, settings.log_level) == (
+        "r.example/kvpilot:env", 7.0, 9001, "WARNING")
+    assert kwargs == {"namespaces": ["env-a", "env-b"], "kubeconfig": None, "context": None}
+
+
+def test_operator_flags_override_the_environment_one_by_one(operator_run):
+    settings, kwargs = operator_run(
+        "--engine-image", "r.example/kvpilot:flag", "--resync-seconds", "2.5", "--health-port", "0",
+        "--log-level", "DEBUG", "-n", "flag-ns", "--kubeconfig", "/k/config", "--context", "lab", **ENVIRONMENT,
+    )  # fmt: skip
+    assert (settings.engine_image, settings.resync_seconds, settings.health_port, settings.log_level) == (
+        "r.example/kvpilot:flag", 2.5, 0, "DEBUG")  # 0 is a value (no health endpoint), not "unset"
+    assert settings.engine_bind_pod_ip  # what no flag sets still comes from the environment
+    assert kwargs == {"namespaces": ["flag-ns"], "kubeconfig": "/k/config", "context": "lab"}
+    only_image, _ = operator_run("--engine-image", "r.example/kvpilot:flag", **ENVIRONMENT)
+    from_env = OperatorSettings.from_env(ENVIRONMENT)
+    assert only_image == dataclasses.replace(from_env, engine_image="r.example/kvpilot:flag")
+    assert operator_run("-A", **ENVIRONMENT)[1]["namespaces"] is None
+
+
+def test_operator_refuses_a_bad_environment_naming_the_variable(operator_run):
+    with pytest.raises(SystemExit, match="kvpilot operator: KVPILOT_RESYNC_SECONDS='soon'"):
+        operator_run(KVPILOT_RESYNC_SECONDS="soon")
+
+
+def test_kvpilot_crd_prints_the_committed_crd():
+    import subprocess
+    import sys
+
+    printed = subprocess.run([sys.executable, "-m", "kvpilot", "crd"], capture_output=True, text=True, check=True,
+                             timeout=120).stdout
+    for path in crd.CRD_PATHS:
+        assert printed == path.read_text(), f"`kvpilot crd` differs from {path}"
+    document = yaml.safe_load(printed)
+    assert document["kind"] == "CustomResourceDefinition"
+    assert document["metadata"]["name"] == "inferenceservices.kvpilot.io"
+    assert document["spec"]["names"]["kind"] == "InferenceService" and "kvis" in document["spec"]["names"]["shortNames"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import socket
 import time
@@ -364,6 +363,15 @@ def test_admin_api_answers_only_on_its_own_port(live, http):
         assert httpx.get(f"{live.admin_url}{path}", headers=http.headers).status_code == 404, path
 
 
+def _steps_of(live, http, body: dict) -> tuple[int, int]:
+    """(engine steps, sequences summed over those steps) that serving ``body`` alone took."""
+    before = live.wait_idle()
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    after = live.wait_idle()
+    return after.steps_total - before.steps_total, after.step_running_seqs_total - before.step_running_seqs_total
+
+
 def test_admin_changes_limits_live(live, http):
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     admin_http = httpx.Client(base_url=live.admin_url, timeout=60)
@@ -381,23 +389,55 @@ def test_admin_changes_limits_live(live, http):
         response = admin_http.post("/admin/v1/scheduler", json={"max_num_seqs": 1}, headers=admin)
         assert response.json()["max_num_seqs"] == 1
         assert metric_values(http.get("/metrics").text)[names.MAX_NUM_SEQS] == 1
-        # The scheduler follows: three concurrent requests never run more than one at a time.
-        peak_running = peak_waiting = 0
-
-        def one(i: int) -> httpx.Response:
-            body = {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}
-            return httpx.post(f"{live.url}/v1/completions", json=body, headers=http.headers, timeout=60)
-
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(one, i) for i in range(3)]
-            while not all(f.done() for f in futures):
-                stats = live.state.async_engine.stats()
-                peak_running = max(peak_running, stats.num_running)
-                peak_waiting = max(peak_waiting, stats.num_waiting)
-                time.sleep(0.002)
-            assert all(f.result().status_code == 200 for f in futures)
-        assert peak_running == 1 and peak_waiting >= 1
+        # The scheduler follows: the three sequences of one request (n=3) are there together, and each step
+        # runs one of them, by the engine's own count of steps and of sequences in them.
+        steps, sequence_steps = _steps_of(live, http, {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "n": 3})
+        assert steps == sequence_steps >= 3 * 6
     finally:
         admin_http.post("/admin/v1/scheduler", json={"max_num_seqs": 8}, headers=admin)
         admin_http.close()
+    steps, sequence_steps = _steps_of(live, http, {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "n": 3})
+    assert sequence_steps > steps  # back at 8, they run side by side
     assert metric_values(http.get("/metrics").text)[names.MAX_NUM_SEQS] == 8
+
+
+def test_admin_changes_max_num_batched_tokens_live(live, http):
+    admin = httpx.Client(base_url=live.admin_url, timeout=60, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    default = admin.get("/admin/v1/scheduler").json()["max_num_batched_tokens"]
+    # Every running sequence needs one token per step: a budget below max_num_seqs (8) is refused, unchanged.
+    response = admin.post("/admin/v1/scheduler", json={"max_num_batched_tokens": 4})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "max_num_batched_tokens" and "max_num_seqs" in response.text
+    assert admin.get("/admin/v1/scheduler").json()["max_num_batched_tokens"] == default
+    try:
+        response = admin.post("/admin/v1/scheduler", json={"max_num_batched_tokens": 16})
+        assert response.status_code == 200, response.text
+        assert response.json()["max_num_batched_tokens"] == 16 and response.json()["max_num_seqs"] == 8
+        assert admin.get("/admin/v1/scheduler").json()["max_num_batched_tokens"] == 16
+        assert metric_values(http.get("/metrics").text)[names.MAX_NUM_BATCHED_TOKENS] == 16
+        # The scheduler follows: a prompt no request sent before (no prefix-cache hit) prefills 16 tokens a step.
+        steps_before = live.wait_idle().steps_total
+        prompt = " ".join(f"budget{i}" for i in range(30))
+        result = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()
+        prompt_tokens = result["usage"]["prompt_tokens"]
+        assert prompt_tokens > 32 and result["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert live.wait_idle().steps_total - steps_before == -(-prompt_tokens // 16)
+    finally:
+        admin.post("/admin/v1/scheduler", json={"max_num_batched_tokens": default})
+        admin.close()
+    assert metric_values(http.get("/metrics").text)[names.MAX_NUM_BATCHED_TOKENS] == default
+
+
+def test_admin_update_with_nothing_to_change_is_400(live):
+    url, admin = f"{live.admin_url}/admin/v1/scheduler", {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    before = httpx.get(url, headers=admin).json()
+    for body in ({}, {"max_num_seqs": None, "max_num_batched_tokens": None}):
+        response = httpx.post(url, json=body, headers=admin)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert all(field in error["message"] for field in ("max_num_seqs", "max_num_batched_tokens",
+                                                           "num_speculative_tokens")), error
+    no_body = httpx.post(url, headers=admin)
+    assert no_body.status_code == 400 and "JSON object" in no_body.json()["error"]["message"]
+    assert httpx.get(url, headers=admin).json() == before

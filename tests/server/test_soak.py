@@ -4,11 +4,13 @@ after every phase.
 The mix: streaming and not, n from 1 to 3, stop strings, prompts sharing prefixes (prefix caching),
 a KV cache too small for the batch (preemption), clients that disconnect at random points,
 server-side aborts of random in-flight requests, and max_num_seqs changed live through the admin
-API throughout. After each phase, with the server idle: every request sent has exactly one outcome
-(answered in full, refused with 429, aborted by the injected fault, or dropped by its client), no
-choice is answered twice, no 5xx other than the injected aborts, no request left in the engine,
-every KV block back in the free queue with the prefix cache's table consistent, and the process's
-RSS growth bounded. CI runs the short form; KVPILOT_SOAK_REQUESTS=10000 runs the long one.
+API throughout. After each phase, with the server idle: every sequence the engine admitted ended
+exactly once by the server's own count (kvpilot_request_success_total: stop, length or abort), and
+that count agrees with the clients' outcomes (answered in full, refused with 429, aborted by the
+injected fault, or dropped by the client); no choice is answered twice, no 5xx other than the
+injected aborts, no request left in the engine, every KV block back in the free queue with the
+prefix cache's table consistent, and the process's RSS growth bounded. CI runs the short form;
+KVPILOT_SOAK_REQUESTS=10000 runs the long one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import resource
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot import engine_contract as names
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,6 +64,29 @@ def _request(rng: random.Random) -> tuple[str, dict]:
     if rng.random() < 0.5:
         return "/v1/completions", {**body, "prompt": rng.choice(PROMPTS)}
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}]}
+
+
+class Admissions:
+    """Requests and sequences the engine admitted: wraps its add_request (called on the engine thread)."""
+
+    def __init__(self, add_request) -> None:
+        self._add_request = add_request
+        self.requests = self.sequences = 0
+
+    def add_request(self, request_id, prompt_token_ids, params, **kwargs):
+        self._add_request(request_id, prompt_token_ids, params, **kwargs)
+        self.requests += 1
+        self.sequences += params.n
+
+
+def _ended_sequences(live) -> collections.Counter:
+    """finish_reason -> sequences the server counted as ended, from its /metrics."""
+    ended: collections.Counter = collections.Counter()
+    for family in text_string_to_metric_families(httpx.get(f"{live.url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == names.REQUEST_SUCCESS:
+                ended[sample.labels[names.FINISH_REASON_LABEL]] += sample.value
+    return ended
 
 
 def _check_choices(choices: dict[int, int], n: int) -> None:
@@ -101,8 +129,11 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict) -> str:
     return "ok"
 
 
-async def _phase(live, rng: random.Random, count: int) -> collections.Counter:
+async def _phase(live, rng: random.Random, count: int) -> tuple[collections.Counter, collections.Counter]:
+    """Runs ``count`` requests; returns the outcomes (requests, and the faults injected) and the choices
+    (sequences) the requests of each outcome asked for."""
     outcomes: collections.Counter = collections.Counter()
+    choices: collections.Counter = collections.Counter()
     limit = asyncio.Semaphore(CONCURRENCY)
     stop = asyncio.Event()
 
@@ -110,13 +141,15 @@ async def _phase(live, rng: random.Random, count: int) -> collections.Counter:
         path, body = _request(rng)
         async with limit:
             task = asyncio.ensure_future(_send(client, path, body))
+            outcome = None
             if rng.random() < 0.1:  # the client goes away at a random point
                 await asyncio.wait([task], timeout=rng.uniform(0.0, 0.3))
                 if not task.done():
                     task.cancel()
-                    outcomes["disconnected"] += 1
-                    return
-            outcomes[await task] += 1
+                    outcome = "disconnected"
+            outcome = outcome or await task
+            outcomes[outcome] += 1
+            choices[outcome] += body["n"]
 
     async def abort_some() -> None:
         # Server-side aborts on the server's own loop, as a shutdown or an engine error would do them.
@@ -145,7 +178,7 @@ async def _phase(live, rng: random.Random, count: int) -> collections.Counter:
             stop.set()
             await asyncio.gather(*faults)
         await admin.post("/admin/v1/scheduler", json={"max_num_seqs": MAX_NUM_SEQS})
-    return outcomes
+    return outcomes, choices
 
 
 def _assert_every_block_back(live) -> None:
@@ -160,21 +193,34 @@ def _assert_every_block_back(live) -> None:
     assert all(block.block_hash == block_hash for block_hash, block in pool.cached.items())
 
 
-def test_soak_keeps_every_invariant_phase_after_phase(live, capsys):
+def test_soak_keeps_every_invariant_phase_after_phase(live, capsys, monkeypatch):
     rng = random.Random(0)
     totals: collections.Counter = collections.Counter()
     preemptions_before = live.state.async_engine.stats().preemptions_total
+    admitted = Admissions(live.engine.add_request)
+    monkeypatch.setattr(live.engine, "add_request", admitted.add_request)
     rss_after_first = None
     for phase in range(PHASES):
-        outcomes = asyncio.run(_phase(live, rng, REQUESTS // PHASES))
+        ended_before, admitted_before = _ended_sequences(live), (admitted.requests, admitted.sequences)
+        outcomes, choices = asyncio.run(_phase(live, rng, REQUESTS // PHASES))
         totals.update(outcomes)
-        sent = REQUESTS // PHASES
-        answered = sum(outcomes[k] for k in ("ok", "refused", "aborted", "disconnected"))
-        assert answered == sent, (phase, outcomes)  # none lost, none counted twice
         stats = live.wait_idle(timeout=60)
         assert live.state.async_engine.num_in_flight == 0 and stats.num_running == stats.num_waiting == 0
         assert live.state.async_engine.dead_error is None
         _assert_every_block_back(live)
+
+        # None lost, none counted twice, by the server's own books: every sequence the engine admitted
+        # ended exactly once, by stop, length or abort.
+        ended = _ended_sequences(live) - ended_before
+        requests, sequences = admitted.requests - admitted_before[0], admitted.sequences - admitted_before[1]
+        assert sum(ended.values()) == sequences, (phase, dict(ended), sequences)
+        # And the books agree with the clients': a request answered in full or aborted was admitted, one
+        # refused was not; a client that went away may have left before the engine took its request.
+        answered = outcomes["ok"] + outcomes["aborted"]
+        assert answered <= requests <= answered + outcomes["disconnected"], (phase, outcomes, requests)
+        assert choices["ok"] + choices["aborted"] <= sequences <= (
+            choices["ok"] + choices["aborted"] + choices["disconnected"]), (phase, choices, sequences)
+        assert ended["stop"] + ended["length"] >= choices["ok"], (phase, dict(ended), choices)
         if rss_after_first is None:
             rss_after_first = _rss_mib()
     growth = _rss_mib() - rss_after_first
