@@ -173,6 +173,13 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
     return _grammar_text_cached(json.dumps(key, sort_keys=True))
 
 
+@functools.cache
+def _executor():
+    import llguidance
+
+    return llguidance.LLExecutor()
+
+
 def mask_disallowed(logits: torch.Tensor, matchers: Sequence[Any | None]) -> torch.Tensor:
     """``logits`` ([rows, vocab]) with every token its row's matcher disallows at -inf; rows
     without a matcher unchanged. Returns ``logits`` itself when no row has one."""
@@ -183,8 +190,9 @@ def mask_disallowed(logits: torch.Tensor, matchers: Sequence[Any | None]) -> tor
 
     vocab = logits.shape[1]
     bitmask = lltorch.allocate_token_bitmask(len(rows), vocab)  # [rows, ceil(vocab / 32)] int32
-    for slot, row in enumerate(rows):
-        lltorch.fill_next_token_bitmask(matchers[row], bitmask, slot)
+    # All rows in one call into llguidance's own threads (no GIL): about 0.5 ms a row one by one.
+    lltorch.fill_next_token_bitmask_par(_executor(), [(matchers[row], slot) for slot, row in enumerate(rows)],
+                                        bitmask)
     constrained = logits[rows].clone()
     lltorch.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
     logits = logits.clone()
