@@ -118,15 +118,17 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a list
         of them, rendered with the model's chat template (or ``chat_template``, a Jinja template) and
-        generated as ``generate`` does."""
+        generated as ``generate`` does. ``tools`` (OpenAI's function definitions) reach the template,
+        as in vLLM; the answer is text (constrain it with ``SamplingParams.structured_outputs``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         try:
             texts = [tokenizer.apply_chat_template(list(conversation), tokenize=False, chat_template=chat_template,
-                                                   add_generation_prompt=add_generation_prompt)
+                                                   add_generation_prompt=add_generation_prompt, tools=tools)
                      for conversation in conversations]
         except (ValueError, TypeError) as exc:  # no template, or a template that rejects the messages
             raise InvalidRequestError(f"messages: the chat template cannot render them: {exc}") from None

@@ -170,7 +170,8 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
     key = {params.field: list(value) if params.field == "choice" else value}
     if params.disable_any_whitespace:
         key["disable_any_whitespace"] = True
-    return _grammar_text_cached(json.dumps(key, sort_keys=True))
+    # Not sorted: a schema's property order is the order the output writes them in.
+    return _grammar_text_cached(json.dumps(key))
 
 
 @functools.cache

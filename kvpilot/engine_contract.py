@@ -33,6 +33,8 @@ ADMIN_SETTINGS = LIVE_SETTINGS + ("num_speculative_tokens",)
 # most tokens it proposes per step.
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_NUM_SPECULATIVE_TOKENS = 16
+# `kvpilot serve --tool-call-parser` (spec.engine.toolCallParser): how tool_choice auto finds calls.
+TOOL_CALL_PARSERS = ("hermes", "json")
 
 # --- start-up ------------------------------------------------------------------------
 
@@ -46,6 +48,7 @@ def flag_env(flag: str) -> str:
 
 ADMIN_TOKEN_ENV = flag_env("admin_token")  # turns the admin API on, with this bearer token
 API_KEY_ENV = flag_env("api_key")  # clients must send `Authorization: Bearer <key>` on /v1/*
+CHAT_TEMPLATE_ENV = flag_env("chat_template")  # spec.engine.chatTemplate: the Jinja text itself
 
 # `kvpilot serve --tuning-file`: a JSON/YAML mapping whose values override the flags at start,
 # so live-tuned values survive a restart. File key -> the flag it overrides.

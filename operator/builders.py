@@ -19,7 +19,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.engine_contract import ADMIN_PORT, ADMIN_TOKEN_ENV, API_KEY_ENV, ENGINE_PORT, HEALTH_PATH
+from kvpilot.engine_contract import (
+    ADMIN_PORT,
+    ADMIN_TOKEN_ENV,
+    API_KEY_ENV,
+    CHAT_TEMPLATE_ENV,
+    ENGINE_PORT,
+    HEALTH_PATH,
+)
 from kvpilot.operator import tuning_configmap
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec, ModelLocation
@@ -216,6 +223,8 @@ def engine_args(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings
     if engine.speculative is not None:
         config = engine.speculative.engine_config(draft_path)
         args += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
+    if engine.tool_call_parser is not None:
+        args += ["--tool-call-parser", engine.tool_call_parser]
     return args + list(engine.extra_args)
 
 
@@ -279,6 +288,8 @@ def engine_container(name: str, spec: InferenceServiceSpec, in_effect: EngineSet
             {"name": ADMIN_TOKEN_ENV,
              "valueFrom": {"secretKeyRef": {"name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}},
             *_api_key_env(spec),
+            # A template is long and multi-line: an environment variable, not an argument.
+            *([{"name": CHAT_TEMPLATE_ENV, "value": spec.engine.chat_template}] if spec.engine.chat_template else []),
             # The root filesystem is read-only: caches go to the scratch volume.
             {"name": "HOME", "value": f"{SCRATCH_DIR}/home"},
             {"name": "XDG_CACHE_HOME", "value": f"{SCRATCH_DIR}/cache"},

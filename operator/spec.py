@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpilot.engine_contract import MAX_NUM_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
+from kvpilot.engine_contract import MAX_NUM_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, TOOL_CALL_PARSERS
 
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ("kvis",)
@@ -29,6 +29,8 @@ SHORT_NAMES = ("kvis",)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "awq", "gguf", "none")
+# A chat template rides in the pod spec (an environment variable): far below its object size limit.
+MAX_CHAT_TEMPLATE_BYTES = 65536
 # Upper bound of the token counts (context length, step budget): far above any model's, low enough
 # that a typo (an extra zero or three) is caught at admission rather than by an engine failing to start.
 MAX_TOKENS = 1 << 20
@@ -389,6 +391,21 @@ class EngineParams(EngineSettings):
     speculative: SpeculativeDecoding | None = Field(
         default=None, description="Speculative decoding. Unset: off (one token per request per step)."
     )
+    tool_call_parser: str | None = Field(
+        default=None, max_length=16,
+        description=(
+            "How requests with tool_choice auto find tool calls in the model's text: hermes "
+            "(<tool_call>{...}</tool_call>, the format of most open models' templates) or json (the whole answer "
+            "is a call). Unset: tool_choice auto is refused; required and named functions need no parser."
+        ),
+    )
+    chat_template: str | None = Field(
+        default=None, max_length=MAX_CHAT_TEMPLATE_BYTES,
+        description=(
+            "A Jinja chat template used instead of the model's own, e.g. one that offers tools to the model "
+            "(examples/chat-templates/ holds one). A syntax error stops the engine at start, naming the line."
+        ),
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         max_length=64,
@@ -413,6 +430,12 @@ class EngineParams(EngineSettings):
             message="engine.quantization must be auto, awq, gguf or none",
             check=lambda e: e.quantization in QUANTIZATIONS,
             field_path=".quantization",
+        ),
+        Rule(
+            cel=f"!has(self.toolCallParser) || self.toolCallParser in {list(TOOL_CALL_PARSERS)}",
+            message=f"engine.toolCallParser must be {' or '.join(TOOL_CALL_PARSERS)}",
+            check=lambda e: e.tool_call_parser is None or e.tool_call_parser in TOOL_CALL_PARSERS,
+            field_path=".toolCallParser",
         ),
     )
 

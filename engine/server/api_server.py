@@ -36,7 +36,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvpilot.engine.server import protocol as p
 from kvpilot.engine.server.async_engine import AsyncLLMEngine, EngineDeadError
 from kvpilot.engine.server.metrics import ServerMetrics
-from kvpilot.engine.server.serving import ErrorResult, ModelInfo, OpenAIServing, error, param_from_message
+from kvpilot.engine.server.serving import (
+    ChatSettings,
+    ErrorResult,
+    ModelInfo,
+    OpenAIServing,
+    error,
+    param_from_message,
+)
 from kvpilot.engine_contract import ADMIN_SCHEDULER_PATH, HEALTH_PATH, METRICS_PATH
 
 logger = logging.getLogger(__name__)
@@ -54,6 +61,7 @@ class ServerSettings:
     max_waiting_requests: int | None = None
     shutdown_grace_period: float = 30.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    chat: ChatSettings = ChatSettings()
 
 
 class ApiError(Exception):
@@ -84,6 +92,7 @@ class ServerState:
             engine.tokenizer,
             ModelInfo(settings.served_model_name, engine.config.model, engine.max_model_len),
             engine.grammars,
+            settings.chat,
         )
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None

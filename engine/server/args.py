@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.engine_contract import ADMIN_PORT, ENGINE_PORT, ENV_PREFIX, flag_env
+from kvpilot.engine_contract import ADMIN_PORT, ENGINE_PORT, ENV_PREFIX, TOOL_CALL_PARSERS, flag_env
 
 
 class ArgsError(ValueError):
@@ -130,6 +130,12 @@ SERVE_FLAGS = (
          type=positive_int, default=ADMIN_PORT),
     Flag("shutdown_grace_period", "seconds SIGTERM waits for in-flight requests before aborting them",
          type=non_negative_float, default=30.0, metavar="SECONDS"),
+    Flag("chat_template", "Jinja chat template used instead of the model's own: a file, or the template text "
+         "itself (examples/chat-templates/ holds one that offers tools)", metavar="FILE"),
+    Flag("tool_call_parser", "how tool_choice auto finds tool calls in the model's text: hermes "
+         "(<tool_call>{...}</tool_call>) or json (the whole answer is a call or a list of calls); unset: requests "
+         "with tool_choice auto are refused (required and named functions need no parser)",
+         choices=TOOL_CALL_PARSERS),
     Flag("tuning_file", "JSON/YAML file with persisted live-tuned values {maxNumSeqs, maxNumBatchedTokens, "
          "gpuMemoryUtilization}; they override the flags at start", metavar="PATH"),
     Flag("log_level", "log level", default="info", choices=("debug", "info", "warning", "error")),
@@ -195,6 +201,20 @@ def _convert_env(flag: Flag, raw: str) -> Any:
     if flag.choices is not None and value not in flag.choices:
         raise ArgsError(f"{flag.env}={raw!r} (for {flag.option}): must be one of {', '.join(flag.choices)}")
     return value
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's text: the file it names, or the value itself when it is a template."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as file:
+                return file.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ArgsError(f"--chat-template: cannot read {value}: {exc}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ArgsError(f"--chat-template: no file {value}; give a Jinja template file or the template text")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:

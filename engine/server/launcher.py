@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpilot.engine.server.args import ArgsError, engine_overrides, resolve_serve_args
+from kvpilot.engine.server.args import ArgsError, engine_overrides, load_chat_template, resolve_serve_args
 from kvpilot.engine_contract import TUNING_FILE_KEYS
 
 logger = logging.getLogger("kvpilot.serve")
@@ -61,6 +61,18 @@ def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
     return values
 
 
+def _checked_chat_template(value: str) -> str:
+    """--chat-template's text, parsed once so a syntax error stops ``serve`` here, not every request."""
+    import jinja2
+
+    text = load_chat_template(value)
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ArgsError(f"--chat-template: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+    return text
+
+
 def run_server(args: argparse.Namespace) -> int:
     try:
         args = resolve_serve_args(args)
@@ -71,6 +83,13 @@ def run_server(args: argparse.Namespace) -> int:
         print(f"kvpilot serve: error: --admin-port {args.admin_port} is --port: give the admin API a port of its "
               "own (the OpenAI port is the one clients and the Service reach)", file=sys.stderr)
         return 2
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = _checked_chat_template(args.chat_template)
+        except ArgsError as exc:
+            print(f"kvpilot serve: error: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
@@ -97,6 +116,7 @@ def run_server(args: argparse.Namespace) -> int:
     from kvpilot.engine.config import EngineConfig
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.server.api_server import DrainingServer, ServerSettings, build_app
+    from kvpilot.engine.server.serving import ChatSettings
 
     from kvpilot.engine.spec_decode.config import SpeculativeConfig
 
@@ -124,6 +144,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         shutdown_grace_period=args.shutdown_grace_period,
         max_request_bytes=args.max_request_bytes,
+        chat=ChatSettings(chat_template=chat_template, tool_call_parser=args.tool_call_parser),
     )
     app = build_app(engine, settings)
     logger.info(

@@ -133,10 +133,57 @@ class TextContentPart(OpenAIModel):
     text: str
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(OpenAIModel):
+    """A call in an assistant message the client sends back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call this result answers
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message must name the call it answers (the call's id)")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -152,7 +199,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -161,11 +210,33 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: only allowed when logprobs is true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by kvpilot; remove tools")
+        self._check_tools()
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: set add_generation_prompt to false with it")
         return self
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            twice = next(name for name in names if names.count(name) > 1)
+            raise ValueError(f"tools: function names must be unique; `{twice}` appears more than once")
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return
+        if not names:
+            raise ValueError("tool_choice: required or a named function needs tools; send the functions in tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: function `{choice.function.name}` is not in tools "
+                             f"({', '.join(names)})")
+        if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
+            raise ValueError("tool_choice: required or a named function constrains the output to the tools' "
+                             "arguments; remove response_format (or structured_outputs), or use tool_choice auto")
+
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: ``auto`` when tools are given, else ``none``."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     def output_token_limit(self) -> int | None:
         """``max_completion_tokens`` is OpenAI's newer name; it wins when both are set."""
@@ -233,9 +304,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -255,9 +338,32 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: the first carries its id, type and name; later ones add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):  # OpenAI's deltas carry only what changed

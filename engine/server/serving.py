@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import logging
 import math
 import re
@@ -23,6 +24,7 @@ from typing import Any
 from kvpilot.engine.request import InvalidRequestError
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server import protocol as p
+from kvpilot.engine.server import tool_calls
 from kvpilot.engine.structured_outputs import GrammarCompiler, StructuredOutputsParams
 from kvpilot.engine.server.async_engine import (
     AsyncLLMEngine,
@@ -80,7 +82,13 @@ _SAMPLING_FIELDS = (
 
 
 def _constraint(request: p.SamplingFields) -> StructuredOutputsParams | None:
-    """The request's structured-output constraint: vLLM's structured_outputs or OpenAI's response_format."""
+    """The request's structured-output constraint: the one tool_choice puts on the tools' arguments,
+    vLLM's structured_outputs, or OpenAI's response_format."""
+    if isinstance(request, p.ChatCompletionRequest) and request.tools:
+        tools = [tool.model_dump() for tool in request.tools]
+        choice = tool_calls.constraint(tools, request.effective_tool_choice(), request.parallel_tool_calls)
+        if choice is not None:
+            return choice
     if request.structured_outputs is not None:
         return StructuredOutputsParams.from_dict(request.structured_outputs)
     response_format = request.response_format
@@ -115,6 +123,14 @@ class ModelInfo:
     max_model_len: int
 
 
+@dataclass(frozen=True)
+class ChatSettings:
+    """How chat requests become prompts and answers (`kvpilot serve --chat-template`, --tool-call-parser)."""
+
+    chat_template: str | None = None  # Jinja text overriding the model's own template
+    tool_call_parser: str | None = None  # a name in tool_calls.PARSERS; None: tool_choice auto is refused
+
+
 @dataclass
 class _PromptInput:
     token_ids: list[int]
@@ -122,11 +138,13 @@ class _PromptInput:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model: ModelInfo, grammars: GrammarCompiler) -> None:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model: ModelInfo, grammars: GrammarCompiler,
+                 chat: ChatSettings = ChatSettings()) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.model = model
+        self.chat = chat
         self._token_text: dict[int, str] = {}
 
     # ---- models ----------------------------------------------------------------
@@ -181,21 +199,35 @@ class OpenAIServing:
         if (problem := self.check_model(request.model)) is not None:
             return problem
         try:
+            parser = self._tool_call_parser(request)
             prompt = self._chat_prompt(request)
             top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
             params = [self._sampling_params(request, prompt, request.output_token_limit(), top_logprobs, "messages")]
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            await self._check_tools(request)
             await self._check_constraint(request, params[0])
             streams = await self._add_all(request_id, [prompt], params, "messages")
         except ServingError as exc:
             return exc.result
-        builder = _ChatBuilder(self, request, request_id, [prompt])
+        builder = _ChatBuilder(self, request, request_id, [prompt], parser)
         if request.stream:
             return self._stream(streams, builder, until_disconnected)
         return await self._collect(streams, builder, until_disconnected)
 
+    def _tool_call_parser(self, request: p.ChatCompletionRequest) -> tool_calls.ToolCallParser | None:
+        choice = request.effective_tool_choice()
+        if choice == "auto" and self.chat.tool_call_parser is None:
+            raise ServingError(error(
+                400,
+                "tool_choice: auto needs a server started with --tool-call-parser (one of "
+                f"{', '.join(tool_calls.PARSERS)}) to find the calls in the model's text; send tool_choice "
+                "required or a named function (the output is then constrained to the tools), or none",
+                param="tool_choice",
+            ))
+        return tool_calls.parser_for(choice, self.chat.tool_call_parser)
+
     def _chat_prompt(self, request: p.ChatCompletionRequest) -> _PromptInput:
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not (self.chat.chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise ServingError(
                 error(
                     400,
@@ -206,12 +238,13 @@ class OpenAIServing:
                     code="chat_template_missing",
                 )
             )
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in request.messages
-        ]
+        messages = [_template_message(i, message) for i, message in enumerate(request.messages)]
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
+                tools=tools,
+                chat_template=self.chat.chat_template,
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
@@ -278,6 +311,20 @@ class OpenAIServing:
         except ValueError as exc:
             raise ServingError(error(400, str(exc), param=param_from_message(str(exc)))) from None
 
+    async def _check_tools(self, request: p.ChatCompletionRequest) -> None:
+        """Each tool's parameters compiled as a JSON schema (cached across requests), so a schema the
+        constraint could not use is a 400 naming the tool, whatever tool_choice is."""
+        for i, tool in enumerate(request.tools or ()):
+            schema = tool.function.parameters or tool_calls.ANY_OBJECT
+            try:
+                # compact, as tool_calls.constraint compiles it: the named-function case finds it cached
+                params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+                await asyncio.to_thread(self.grammars.check, params)
+            except InvalidRequestError as exc:
+                problem = str(exc).partition(": ")[2]
+                field = f"tools[{i}].function.parameters"
+                raise ServingError(error(400, f"{field}: {problem}", param=field)) from None
+
     async def _check_constraint(self, request: p.SamplingFields, params: SamplingParams) -> None:
         """A structured-output constraint compiled off the engine's thread (it takes the vocabulary's
         llguidance view a second the first time), and refused with a 400 before anything is queued,
@@ -288,7 +335,9 @@ class OpenAIServing:
             await asyncio.to_thread(self.grammars.check, params.structured_outputs)
         except InvalidRequestError as exc:
             field, _, problem = str(exc).partition(": ")
-            if request.structured_outputs is None:  # it came from response_format
+            if isinstance(request, p.ChatCompletionRequest) and request.tool_choice not in (None, "none", "auto"):
+                field = "tool_choice"  # the tools' schemas compile one by one (_check_tools), not together
+            elif request.structured_outputs is None:  # it came from response_format
                 field = "response_format.json_schema.schema" if field.endswith(".json") else "response_format"
             raise ServingError(error(400, f"{field}: {problem}", param=field)) from None
 
@@ -356,6 +405,27 @@ class OpenAIServing:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+def _template_message(index: int, message: p.ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: tool calls' arguments as objects (templates write them
+    with ``tojson``), the call id on tool results."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name:
+        rendered["name"] = message.name
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        rendered["tool_calls"] = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError as exc:
+                field = f"messages[{index}].tool_calls[{j}].function.arguments"
+                raise ServingError(error(400, f"{field}: not valid JSON ({exc})", param=field)) from None
+            rendered["tool_calls"].append({"id": call.id, "type": "function",
+                                           "function": {"name": call.function.name, "arguments": arguments}})
+    return rendered
 
 
 def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -489,7 +559,8 @@ class _ResponseBuilder(abc.ABC):
             if not delta_text and seq.finish_reason is None:
                 continue  # tokens without text yet (a partial character, a possible stop string)
             sent_tokens = self._sent_tokens.get(choice, 0)
-            chunks.append(self.delta_chunk(choice, prompt_index, seq, delta_text, sent_tokens))
+            if (chunk := self.delta_chunk(choice, prompt_index, seq, delta_text, sent_tokens)) is not None:
+                chunks.append(chunk)
             self._sent_text[choice] = stable_end
             self._sent_tokens[choice] = len(seq.token_ids)
             if seq.finish_reason is not None:
@@ -516,8 +587,9 @@ class _ResponseBuilder(abc.ABC):
         return self.chunk_model(choices=[], usage=self.usage(list(self._last.values())))
 
     @abc.abstractmethod
-    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any:
-        """The chunk carrying ``delta_text`` and the logprobs of tokens from ``sent_tokens`` on."""
+    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any | None:
+        """The chunk carrying ``delta_text`` and the logprobs of tokens from ``sent_tokens`` on (None:
+        nothing to send yet)."""
 
     @abc.abstractmethod
     def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> Any:
@@ -595,6 +667,49 @@ class _CompletionBuilder(_ResponseBuilder):
 
 
 class _ChatBuilder(_ResponseBuilder):
+    def __init__(self, serving: OpenAIServing, request: p.ChatCompletionRequest, request_id: str,
+                 prompts: list[_PromptInput], parser: tool_calls.ToolCallParser | None) -> None:
+        super().__init__(serving, request, request_id, prompts)
+        self.parser = parser
+        self._text: dict[int, str] = {}  # per choice, with a parser: the text streamed through it
+        self._sent_content: dict[int, int] = {}
+        self._sent_calls: dict[int, list[int]] = {}  # per choice: arguments characters sent per call
+        self._call_ids: dict[tuple[int, int], str] = {}
+
+    def _call_id(self, choice: int, index: int) -> str:
+        return self._call_ids.setdefault((choice, index), f"call_{uuid.uuid4().hex[:24]}")
+
+    def _parse(self, text: str, final: bool) -> tool_calls.Parsed:
+        parsed = self.parser.parse(text, final)
+        parsed.calls = [call for call in parsed.calls if call.name]  # unnamed ones are not calls (yet)
+        return parsed
+
+    def _tool_delta(self, choice: int, seq: Any, delta_text: str) -> tuple[p.DeltaMessage, str | None]:
+        """What the parser makes of the text so far, less what was sent, and the finish reason."""
+        text = self._text[choice] = self._text.get(choice, "") + delta_text
+        parsed = self._parse(text, seq.finish_reason is not None)
+        sent_content = self._sent_content.get(choice, 0)
+        content = parsed.content[sent_content:]
+        self._sent_content[choice] = len(parsed.content)
+        sent = self._sent_calls.setdefault(choice, [])
+        calls = []
+        for index, call in enumerate(parsed.calls):
+            if index == len(sent):
+                sent.append(0)
+                first = p.DeltaToolCall(index=index, id=self._call_id(choice, index), type="function",
+                                        function=p.DeltaFunctionCall(name=call.name, arguments=""))
+                calls.append(first)
+            if len(call.arguments) > sent[index]:
+                piece = p.DeltaFunctionCall(arguments=call.arguments[sent[index]:])
+                calls.append(p.DeltaToolCall(index=index, function=piece))
+                sent[index] = len(call.arguments)
+        delta = p.DeltaMessage(content=content or None, tool_calls=calls or None)
+        return delta, self._finish_reason(seq, parsed)
+
+    @staticmethod
+    def _finish_reason(seq: Any, parsed: tool_calls.Parsed) -> str | None:
+        return "tool_calls" if parsed.calls and seq.finish_reason == "stop" else seq.finish_reason
+
     def _logprobs(self, seq: Any, start: int) -> p.ChatLogprobs | None:
         if not self.request.logprobs or seq.logprobs is None:
             return None
@@ -622,14 +737,20 @@ class _ChatBuilder(_ResponseBuilder):
         ]
 
     def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any:
-        delta = p.DeltaMessage(content=delta_text) if delta_text else p.DeltaMessage()
+        if self.parser is not None:
+            delta, finish_reason = self._tool_delta(choice, seq, delta_text)
+            if delta == p.DeltaMessage() and finish_reason is None and not self.request.logprobs:
+                return None  # text held back while it may still be a call
+        else:
+            delta = p.DeltaMessage(content=delta_text) if delta_text else p.DeltaMessage()
+            finish_reason = seq.finish_reason
         return self.chunk_model(
             [
                 p.ChatStreamChoice(
                     index=choice,
                     delta=delta,
                     logprobs=self._logprobs(seq, sent_tokens),
-                    finish_reason=seq.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             ]
@@ -642,16 +763,19 @@ class _ChatBuilder(_ResponseBuilder):
 
     def full_response(self, finals: list[Any]) -> p.ChatCompletionResponse:
         (output,) = finals
-        choices = [
-            p.ChatCompletionChoice(
-                index=seq.index,
-                message=p.ChatResponseMessage(content=seq.text),
-                logprobs=self._logprobs(seq, 0),
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in sorted(output.outputs, key=lambda s: s.index)
-        ]
+        choices = []
+        for seq in sorted(output.outputs, key=lambda s: s.index):
+            message, finish_reason = p.ChatResponseMessage(content=seq.text), seq.finish_reason
+            if self.parser is not None:
+                parsed = self._parse(seq.text, final=True)
+                calls = [p.ToolCall(id=self._call_id(seq.index, i),
+                                    function=p.ToolCallFunction(name=call.name, arguments=call.arguments))
+                         for i, call in enumerate(parsed.calls)]
+                content = parsed.content.strip() if calls else parsed.content  # the space before a call
+                message = p.ChatResponseMessage(content=content or None, tool_calls=calls)
+                finish_reason = self._finish_reason(seq, parsed)
+            choices.append(p.ChatCompletionChoice(index=seq.index, message=message, logprobs=self._logprobs(seq, 0),
+                                                  finish_reason=finish_reason, stop_reason=seq.stop_reason))
         return p.ChatCompletionResponse(
             id=self.request_id,
             created=self.created,

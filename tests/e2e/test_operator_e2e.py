@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from kvpilot.engine_contract import API_KEY_ENV
+from kvpilot.engine_contract import API_KEY_ENV, CHAT_TEMPLATE_ENV
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
@@ -346,7 +346,7 @@ def test_full_example_renders_every_field(cluster, kube, operator):
     assert _flag(args, "--max-num-seqs") == "64" and _flag(args, "--gpu-memory-utilization") == "0.9"
     assert _flag(args, "--block-size") == "16" and _flag(args, "--max-model-len") == "8192"
     assert "--enable-chunked-prefill" in args and "--enable-prefix-caching" in args
-    assert _flag(args, "--quantization") == "auto"
+    assert _flag(args, "--quantization") == "auto" and _flag(args, "--tool-call-parser") == "json"
     assert json.loads(_flag(args, "--speculative-config")) == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
         "disable_by_batch_size": 4,
@@ -355,6 +355,7 @@ def test_full_example_renders_every_field(cluster, kube, operator):
     env = {e["name"]: e for e in container["env"]}
     assert env[API_KEY_ENV] == {"name": API_KEY_ENV,
                                 "valueFrom": {"secretKeyRef": {"name": "llama3-8b-api-key", "key": "key"}}}
+    assert env[CHAT_TEMPLATE_ENV]["value"] == full["spec"]["engine"]["chatTemplate"]
     assert pod_spec["nodeSelector"] == full["spec"]["nodeSelector"]
     assert pod_spec["tolerations"] == full["spec"]["tolerations"]
     assert pod_spec["affinity"] == full["spec"]["affinity"]

@@ -43,6 +43,14 @@ def test_json_schema_outputs_parse_and_validate(llm):
             jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_properties_come_out_in_the_schemas_order(llm):
+    # SCHEMA lists ok, color, size: not sorted, and a reversed schema gives the reversed order.
+    reordered = {**SCHEMA, "properties": dict(reversed(SCHEMA["properties"].items()))}
+    for schema, order in ((SCHEMA, ["ok", "color", "size"]), (reordered, ["size", "color", "ok"])):
+        for text in generate(llm, {"json": schema, "disable_any_whitespace": True}):
+            assert list(json.loads(text)) == order, text
+
+
 def test_a_schema_as_json_text_and_any_json_object(llm):
     for text in generate(llm, {"json": json.dumps(SCHEMA), "disable_any_whitespace": True}):
         jsonschema.validate(json.loads(text), SCHEMA)
@@ -120,3 +128,7 @@ def test_llm_chat_renders_the_template_and_takes_a_constraint(llm):
     assert [o.outputs[0].text in ("red", "green") for o in both] == [True, True]
     own = llm.chat(conversation, params, use_tqdm=False, chat_template="{{ messages[0]['content'] }} ->")
     assert own[0].prompt == "Pick a colour. ->"
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": {"type": "object"}}}]
+    offered = llm.chat(conversation, params, use_tqdm=False, tools=tools,
+                       chat_template="{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0]['content'] }}")
+    assert offered[0].prompt == "paint;Pick a colour."

@@ -39,6 +39,12 @@ def test_requests_go_to_the_service_serving_their_model(harness):
     assert chat.status_code == 200 and chat.json()["pod"] == "a"
     assert h.engines["a"].requests[-1]["messages"] == [{"role": "user", "content": "hi"}]
     assert h.metric_reaches(2, contract.REQUESTS, model="alpha", code="200")
+    # Tool calling and structured outputs are the engine's: the body reaches it as the client sent it.
+    tooled = {"model": "beta", "messages": [{"role": "user", "content": "weather?"}], "tool_choice": "required",
+              "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+              "parallel_tool_calls": False, "response_format": {"type": "text"}}
+    assert httpx.post(f"{h.url}/v1/chat/completions", json=tooled, timeout=30).status_code == 200
+    assert h.engines["b"].requests[-1] == tooled
 
 
 def test_models_lists_every_routable_name(harness):

@@ -248,3 +248,14 @@ def test_builders_are_deterministic():
 def test_engine_pods_get_no_api_token():
     pod = _children({"model": {"uri": "pvc://m"}}).deployment["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
+
+
+def test_tool_call_parser_and_chat_template_reach_the_engine():
+    template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    container = _engine(_children({"model": {"uri": "pvc://models/llama"},
+                                   "engine": {"toolCallParser": "hermes", "chatTemplate": template}}).deployment)
+    assert _flag(container["args"], "--tool-call-parser") == "hermes"
+    assert {"name": "KVPILOT_CHAT_TEMPLATE", "value": template} in container["env"]
+    plain = _engine(_children({"model": {"uri": "pvc://models/llama"}}).deployment)
+    assert "--tool-call-parser" not in plain["args"]
+    assert all(env["name"] != "KVPILOT_CHAT_TEMPLATE" for env in plain["env"])

@@ -152,7 +152,11 @@ NASTY = [
     ("chat over max_model_len", CHAT, {"messages": [{"role": "user", "content": "word " * 200}]}, 400, "messages"),
     ("zero max_completion_tokens", CHAT, {"messages": HELLO, "max_completion_tokens": 0}, 400,
      "max_completion_tokens"),
-    ("tools", CHAT, {"messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("tool without a function", CHAT, {"messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("tool_choice naming no tool", CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("tool schema that is not one", CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": 5}}}], "tool_choice": "required"}, 400, "tools"),
 ]
 
 
@@ -227,6 +231,36 @@ def chat_bodies(draw) -> dict:
     return body
 
 
+SCHEMAS = st.sampled_from([{"type": "object"}, {"type": "objectx"}, {"type": "object", "properties": {"a": {
+    "enum": ["x", "y"]}}, "required": ["a"]}, {"properties": 5}, {"type": "string"}, {"$ref": "#/nowhere"}]) | ANY_VALUE
+
+
+@st.composite
+def tool_bodies(draw) -> dict:
+    """Chat bodies built around the tool fields: tools, tool_choice, parallel_tool_calls, and the
+    messages that carry calls and results back."""
+    names = st.sampled_from(["f", "get_weather", "", "has space", "x" * 65]) | ANY_VALUE
+    function = st.fixed_dictionaries({}, optional={"name": names, "parameters": SCHEMAS, "description": ANY_VALUE,
+                                                   "strict": ANY_VALUE})
+    tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "code"]) | ANY_VALUE},
+                                 optional={"function": function | ANY_VALUE})
+    choice = st.sampled_from(["none", "auto", "required", "any"]) | st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": names})}) | ANY_VALUE
+    call = st.fixed_dictionaries({"id": st.text(max_size=4) | ANY_VALUE, "type": st.just("function"),
+                                  "function": st.fixed_dictionaries({"name": names, "arguments": st.sampled_from(
+                                      ['{"a": "x"}', "{", "[]", ""]) | ANY_VALUE})})
+    message = st.fixed_dictionaries({"role": st.sampled_from(ROLES)}, optional={
+        "content": st.text(max_size=20) | st.none(), "tool_calls": st.lists(call, max_size=2) | ANY_VALUE,
+        "tool_call_id": st.text(max_size=4) | ANY_VALUE})
+    body = {"messages": draw(st.lists(message, min_size=1, max_size=3)), "max_tokens": draw(st.integers(1, 6)),
+            "tools": draw(st.lists(tool, max_size=3) | ANY_VALUE)}
+    if draw(st.booleans()):
+        body["tool_choice"] = draw(choice)
+    if draw(st.booleans()):
+        body["parallel_tool_calls"] = draw(st.booleans() | ANY_VALUE)
+    return body
+
+
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -247,6 +281,14 @@ def test_generated_completion_bodies(http, tally, body):
 @FUZZ_SETTINGS
 @given(body=chat_bodies())
 def test_generated_chat_bodies(http, tally, body):
+    response = _post(http, CHAT, body)
+    tally["hypothesis"][response.status_code] += 1
+    check_answer(response, needs_param=True)
+
+
+@FUZZ_SETTINGS
+@given(body=tool_bodies())
+def test_generated_tool_bodies(http, tally, body):
     response = _post(http, CHAT, body)
     tally["hypothesis"][response.status_code] += 1
     check_answer(response, needs_param=True)

@@ -13,10 +13,11 @@ from kvpilot.engine.server.args import (
     ArgsError,
     add_serve_arguments,
     engine_overrides,
+    load_chat_template,
     parse_size,
     resolve_serve_args,
 )
-from kvpilot.engine.server.launcher import TuningFileError, load_tuning_file
+from kvpilot.engine.server.launcher import TuningFileError, load_tuning_file, run_server
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
@@ -121,3 +122,25 @@ def test_tuning_file_errors_name_the_key(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert load_tuning_file(bad) == {"max_num_seqs": 4}
     assert "speed" in caplog.text
+
+
+def test_chat_template_is_a_file_or_the_template_text(tmp_path, capsys):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_chat_template(str(template)) == template.read_text()
+    assert load_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    with pytest.raises(ArgsError, match="--chat-template: no file /nowhere.jinja"):
+        load_chat_template("/nowhere.jinja")
+    # A syntax error stops serve before the model loads, naming the flag and the line.
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("line one\n{% for m in messages %}{{ m.content }}")
+    args = parse(["/no/such/model", "--chat-template", str(bad)])
+    assert run_server(args) == 2
+    assert "--chat-template: not a valid Jinja template (line 2" in capsys.readouterr().err
+
+
+def test_tool_call_parser_takes_the_parsers_names():
+    assert parse(["/m", "--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
+    assert parse(["/m"], {"KVPILOT_TOOL_CALL_PARSER": "json"}).tool_call_parser == "json"
+    with pytest.raises(ArgsError, match="must be one of hermes, json"):
+        parse(["/m"], {"KVPILOT_TOOL_CALL_PARSER": "mistral"})
