@@ -42,6 +42,10 @@ class EngineConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes; CPU only (CUDA sizes the cache by profiling)
+    # Bytes the engine may use in all on a CPU (its container's memory limit): with it and without
+    # kv_cache_memory, the KV cache takes gpu_memory_utilization of it less what the process holds,
+    # so the tuner's memory fraction sizes the cache on CPUs as on GPUs.
+    cpu_memory_limit: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
@@ -73,6 +77,8 @@ class EngineConfig:
             )
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, minimum=1)
+        if self.cpu_memory_limit is not None:
+            _check_int("cpu_memory_limit", self.cpu_memory_limit, minimum=1)
         _check_int("seed", self.seed, minimum=0)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):

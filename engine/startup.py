@@ -8,6 +8,7 @@ is never changed.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -155,9 +156,40 @@ def _kv_cache_budget(
     """(bytes for the KV cache, the setting they come from, for error messages)."""
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory, "kv_cache_memory"
+    if device == "cpu" and config.cpu_memory_limit is not None:
+        return _cpu_kv_budget(config, runner.model.arch, max_num_batched_tokens), \
+            "gpu_memory_utilization of cpu_memory_limit"
     if device == "cpu":
         return default_cpu_kv_cache_memory(config, max_model_len, block_bytes), "kv_cache_memory (default)"
     return _profile_kv_budget(runner, config, max_num_batched_tokens), "gpu_memory_utilization"
+
+
+def _cpu_kv_budget(config: EngineConfig, arch: ModelArch, max_num_batched_tokens: int) -> int:
+    """Bytes left for the KV cache on a CPU: the share of the memory limit less what the process
+    holds now (weights, libraries, the tokenizer) and the activations of the largest step (the MLP's
+    and the attention's widest tensors over the step's tokens, and float32 logits and their
+    softmax for every sequence), estimated: a CPU has no allocator to profile."""
+    resident = resident_bytes()
+    activations = 4 * (max_num_batched_tokens * (3 * arch.intermediate_size + 4 * arch.hidden_size)
+                       + 2 * config.max_num_seqs * arch.vocab_size)
+    budget = int(config.cpu_memory_limit * config.gpu_memory_utilization) - resident - activations
+    logger.info(
+        "memory on the CPU: limit %.2f GiB, share %.2f, resident %.2f GiB, activations ~%.2f GiB -> KV budget "
+        "%.2f GiB", config.cpu_memory_limit / 1024**3, config.gpu_memory_utilization, resident / 1024**3,
+        activations / 1024**3, budget / 1024**3,
+    )
+    return budget
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux's /proc; elsewhere its peak, from getrusage)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _resolve_device(device: str) -> str:

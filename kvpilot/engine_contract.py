@@ -49,6 +49,7 @@ def flag_env(flag: str) -> str:
 ADMIN_TOKEN_ENV = flag_env("admin_token")  # turns the admin API on, with this bearer token
 API_KEY_ENV = flag_env("api_key")  # clients must send `Authorization: Bearer <key>` on /v1/*
 CHAT_TEMPLATE_ENV = flag_env("chat_template")  # spec.engine.chatTemplate: the Jinja text itself
+CPU_MEMORY_LIMIT_ENV = flag_env("cpu_memory_limit")  # the container's memory limit (Downward API)
 
 # `kvpilot serve --tuning-file`: a JSON/YAML mapping whose values override the flags at start,
 # so live-tuned values survive a restart. File key -> the flag it overrides.

@@ -24,6 +24,7 @@ from kvpilot.engine_contract import (
     ADMIN_TOKEN_ENV,
     API_KEY_ENV,
     CHAT_TEMPLATE_ENV,
+    CPU_MEMORY_LIMIT_ENV,
     ENGINE_PORT,
     HEALTH_PATH,
 )
@@ -288,6 +289,9 @@ def engine_container(name: str, spec: InferenceServiceSpec, in_effect: EngineSet
             {"name": ADMIN_TOKEN_ENV,
              "valueFrom": {"secretKeyRef": {"name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}},
             *_api_key_env(spec),
+            # On a CPU the memory fraction sizes the KV cache within the container's limit.
+            *([{"name": CPU_MEMORY_LIMIT_ENV, "valueFrom": {"resourceFieldRef": {
+                "containerName": CONTAINER_NAME, "resource": "limits.memory"}}}] if spec.resources.memory else []),
             # A template is long and multi-line: an environment variable, not an argument.
             *([{"name": CHAT_TEMPLATE_ENV, "value": spec.engine.chat_template}] if spec.engine.chat_template else []),
             # The root filesystem is read-only: caches go to the scratch volume.

@@ -104,6 +104,9 @@ SERVE_FLAGS = (
     Flag("gpu_memory_utilization", "fraction of GPU memory the engine may use in all (default 0.9)", type=float),
     Flag("kv_cache_memory", "KV cache size on CPU, in bytes or with a unit: 4GiB, 512MiB", type=parse_size,
          metavar="SIZE"),
+    Flag("cpu_memory_limit", "memory the engine may use in all on a CPU (its container's limit; the operator "
+         "sets it from the pod's): without --kv-cache-memory the KV cache then takes --gpu-memory-utilization of "
+         "it, less the weights and activations", type=parse_size, metavar="SIZE"),
     Flag("dtype", "weight and activation dtype", choices=("auto", "float32", "bfloat16", "float16")),
     Flag("device", "where to run", choices=("auto", "cpu", "cuda")),
     Flag("attention_backend", "attention implementation (auto: triton on GPU, torch on CPU)",
@@ -143,7 +146,7 @@ SERVE_FLAGS = (
 
 ENGINE_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "gpu_memory_utilization",
-    "kv_cache_memory", "dtype", "device", "attention_backend", "quantization", "enforce_eager", "enable_prefix_caching",
+    "kv_cache_memory", "cpu_memory_limit", "dtype", "device", "attention_backend", "quantization", "enforce_eager", "enable_prefix_caching",
     "enable_chunked_prefill", "seed", "speculative_config",
 )  # fmt: skip
 

@@ -2,9 +2,10 @@
 local cluster whose kubelet starts every container from its image with podman (image mode).
 
 The chart installs the operator and the gateway from the image; the operator makes an engine pod
-from the same image for an InferenceService serving a generated tiny model; a completion goes
-through the gateway's hostPort as a user's would. The pods' containers are podman containers, and
-the engine's start (pod created -> container started -> engine loaded -> Ready) is printed.
+from the same image for an InferenceService serving a generated tiny model; a completion and a tool
+call (through the spec's chat template and tool-call parser) go through the gateway's hostPort as a
+user's would. The pods' containers are podman containers, and the engine's start (pod created ->
+container started -> engine loaded -> Ready) is printed.
 
 The image is built the first time on a machine (minutes: the Python dependencies, torch included)
 and reused while its inputs are unchanged; the cluster is this module's own (image mode is a
@@ -94,7 +95,9 @@ def test_operator_gateway_and_engine_run_from_the_image(image_cluster, image, re
         "apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "tiny", "namespace": NS},
         "spec": {"model": {"uri": f"file://{readable_model}", "servedName": "tiny"}, "resources": {"gpus": 1},
-                 "engine": {"maxNumSeqs": 4, "maxModelLen": 256,
+                 "engine": {"maxNumSeqs": 4, "maxModelLen": 512, "toolCallParser": "hermes",
+                            "chatTemplate": (crd.REPO_ROOT / "examples" / "chat-templates" /
+                                             "chatml-tools.jinja").read_text(),
                             "extraArgs": ["--device", "cpu", "--kv-cache-memory", "32MiB"]}},
     }  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=json.dumps(service))
@@ -116,6 +119,20 @@ def test_operator_gateway_and_engine_run_from_the_image(image_cluster, image, re
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 5
+    # A tool call through the gateway, rendered by the spec's chat template: tool_choice required
+    # constrains even a random model's output to a valid call.
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool],
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+    assert reply.status_code == 200, reply.text
+    (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] in (
+        "Paris", "Lima")
+    assert reply.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert reply.json()["usage"]["prompt_tokens"] > 60  # the template wrote the tool's schema into the prompt
 
     pods = kube.list("v1", "Pod", NS)
     assert {p["metadata"]["labels"].get("app.kubernetes.io/component") for p in pods} >= {"operator", "gateway"}

@@ -268,6 +268,26 @@ def test_kv_budget_too_small_says_what_is_needed(tiny_model_dir):
         LLM(str(tiny_model_dir), dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=10_000)
 
 
+def test_on_a_cpu_the_memory_fraction_sizes_the_kv_cache_within_the_memory_limit(tiny_model_dir):
+    from kvpilot.engine.startup import resident_bytes
+
+    limit = resident_bytes() + (512 << 20)  # the process (torch, the test session) and 512 MiB more
+
+    def blocks(fraction: float, **more) -> int:
+        llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu", max_model_len=128, cpu_memory_limit=limit,
+                  gpu_memory_utilization=fraction, **more)
+        return llm.llm_engine.resolved.num_kv_blocks
+
+    block_bytes = LLM(str(tiny_model_dir), dtype="float32", device="cpu", max_model_len=128,
+                      kv_cache_memory=1 << 20).llm_engine.resolved.kv_block_bytes
+    low, high = blocks(0.9), blocks(1.0)
+    # 10% of the limit more is (nearly: the process grows a little between loads) 10% more blocks.
+    assert 0.8 < (high - low) * block_bytes / (0.1 * limit) < 1.2, (low, high)
+    assert blocks(0.9, kv_cache_memory=1 << 20) * block_bytes <= 1 << 20  # an explicit size wins
+    with pytest.raises(ConfigError, match="from gpu_memory_utilization of cpu_memory_limit"):
+        blocks(0.05)
+
+
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nope"), device="cpu")

@@ -259,3 +259,13 @@ def test_tool_call_parser_and_chat_template_reach_the_engine():
     plain = _engine(_children({"model": {"uri": "pvc://models/llama"}}).deployment)
     assert "--tool-call-parser" not in plain["args"]
     assert all(env["name"] != "KVPILOT_CHAT_TEMPLATE" for env in plain["env"])
+
+
+def test_a_memory_limit_reaches_the_engine_so_the_memory_fraction_sizes_a_cpus_kv_cache():
+    container = _engine(_children({"model": {"uri": "pvc://models/llama"},
+                                   "resources": {"gpus": 0, "memory": "8Gi"}}).deployment)
+    assert {"name": "KVPILOT_CPU_MEMORY_LIMIT", "valueFrom": {"resourceFieldRef": {
+        "containerName": "engine", "resource": "limits.memory"}}} in container["env"]
+    assert container["resources"]["limits"]["memory"] == "8Gi"
+    unlimited = _engine(_children({"model": {"uri": "pvc://models/llama"}}).deployment)
+    assert all(env["name"] != "KVPILOT_CPU_MEMORY_LIMIT" for env in unlimited["env"])

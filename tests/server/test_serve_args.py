@@ -42,11 +42,13 @@ def test_environment_fills_flags_and_the_command_line_wins():
         "KVPILOT_KV_CACHE_MEMORY": "2GiB",
         "KVPILOT_PORT": "9000",
         "KVPILOT_DTYPE": "float32",
+        "KVPILOT_CPU_MEMORY_LIMIT": "8Gi",  # as the Downward API passes a limit written 8Gi
     }
     args = parse(["--port", "9100"], env)
     assert args.model == "/models/env" and args.port == 9100 and args.admin_token == "s3cret"
     assert engine_overrides(args) == {
         "max_num_seqs": 12, "enable_prefix_caching": False, "kv_cache_memory": 2 * 1024**3, "dtype": "float32",
+        "cpu_memory_limit": 8 * 1024**3,
     }  # fmt: skip
     assert parse(["/m", "--max-num-seqs", "3", "--enable-prefix-caching"], env).max_num_seqs == 3
     assert engine_overrides(parse(["/m", "--enable-prefix-caching"], env))["enable_prefix_caching"] is True
