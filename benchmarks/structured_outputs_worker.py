@@ -8,7 +8,10 @@ and vLLM under its own virtualenv's. It imports nothing from kvpilot at module l
 
 The workload file holds ``model`` (a Hugging Face folder), ``dtype``, ``conversations``,
 ``schema`` and ``max_tokens``; the result file gets the seconds of the constrained ``chat`` call,
-its output token count and the texts (the parent validates them against the schema).
+its output token count and the texts (the parent validates them against the schema), then the
+same for the same chats unconstrained (EOS ignored, each as many tokens as its constrained answer:
+the same batch, shrinking the same way), which tells the engine's own speed from the constraint's
+cost. Prefix caching is off on both, so the second pass recomputes its prompts as the first did.
 """
 
 from __future__ import annotations
@@ -28,11 +31,10 @@ def run_kvpilot(workload: dict, threads: int) -> dict:
     from kvpilot.engine import LLM, SamplingParams
 
     llm = LLM(workload["model"], dtype=workload["dtype"], device="cpu", max_num_seqs=MAX_NUM_SEQS,
-              max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 30)
+              max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 30, enable_prefix_caching=False)
     constraint = {"json": workload["schema"], "disable_any_whitespace": True}
-    return _timed(llm, SamplingParams(temperature=0.0, max_tokens=4),
-                  SamplingParams(temperature=0.0, max_tokens=workload["max_tokens"], structured_outputs=constraint),
-                  workload["conversations"])
+    return _timed(llm, SamplingParams, workload,
+                  SamplingParams(temperature=0.0, max_tokens=workload["max_tokens"], structured_outputs=constraint))
 
 
 def run_vllm(workload: dict, threads: int) -> dict:
@@ -41,27 +43,34 @@ def run_vllm(workload: dict, threads: int) -> dict:
     from vllm.sampling_params import StructuredOutputsParams
 
     llm = LLM(model=workload["model"], dtype=workload["dtype"], max_num_seqs=MAX_NUM_SEQS,
-              max_model_len=MAX_MODEL_LEN)
+              max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
     constraint = StructuredOutputsParams(json=workload["schema"], disable_any_whitespace=True)
-    result = _timed(llm, SamplingParams(temperature=0.0, max_tokens=4),
-                    SamplingParams(temperature=0.0, max_tokens=workload["max_tokens"], structured_outputs=constraint),
-                    workload["conversations"])
+    result = _timed(llm, SamplingParams, workload,
+                    SamplingParams(temperature=0.0, max_tokens=workload["max_tokens"], structured_outputs=constraint))
     result["backend"] = str(llm.llm_engine.vllm_config.structured_outputs_config.backend)
     return result
 
 
-def _timed(llm, warm_up, constrained, conversations: list) -> dict:
-    """The constrained chat of every conversation, after an unconstrained warm-up on two others."""
+def _timed(llm, sampling_params, workload: dict, constrained) -> dict:
+    """The constrained chat of every conversation, after an unconstrained warm-up on two others,
+    then the same chats unconstrained, each for as many tokens as its constrained answer."""
+    conversations = workload["conversations"]
     llm.chat([[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "Count to three."}]],
-             warm_up, use_tqdm=False)
+             sampling_params(temperature=0.0, max_tokens=4), use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.chat(conversations, constrained, use_tqdm=False)
     seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    free = [sampling_params(temperature=0.0, max_tokens=len(o.outputs[0].token_ids), ignore_eos=True)
+            for o in outputs]
+    start = time.perf_counter()
+    free_outputs = llm.chat(conversations, free, use_tqdm=False)
+    free_seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
-        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "output_tokens": tokens,
         "texts": [o.outputs[0].text for o in outputs],
-        "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
+        "unconstrained_output_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in free_outputs) / free_seconds,
     }
 
 
