@@ -314,6 +314,7 @@ class LLMEngine:
                 metrics.first_token_time = now
                 self._prompt_tokens_total += len(state.prompt_token_ids)
             metrics.last_token_time = now
+            metrics.num_preemptions = sum(sequence.request.num_preemptions for sequence in state.sequences)
 
         outputs = []
         for state in advanced.values():

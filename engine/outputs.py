@@ -30,6 +30,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # over its sequences: a token after one ends a stall, not a decode step
 
 
 @dataclass

@@ -53,6 +53,7 @@ class Request:
         "status",
         "num_computed_tokens",
         "num_cached_tokens",
+        "num_preemptions",
         "block_hashes",
         "sampling_input",
         "stop_reason",
@@ -76,6 +77,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.num_preemptions = 0  # times its KV was freed and it went back to waiting (either cause)
         # Chained hashes of this sequence's full blocks, filled by the KV cache
         # manager; tokens never change, so they survive preemption.
         self.block_hashes: list[int] = []

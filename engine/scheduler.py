@@ -238,6 +238,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()  # proposals were made for the KV just dropped
         self.waiting.appendleft(request)

@@ -99,6 +99,9 @@ TIME_TO_FIRST_TOKEN = "kvpilot_time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "kvpilot_inter_token_latency_seconds"
 E2E_REQUEST_LATENCY = "kvpilot_e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME = "kvpilot_request_queue_time_seconds"
+# The wait of a preempted request until its next token: queueing again, not a token's cost, so it is
+# left out of INTER_TOKEN_LATENCY (a lowered max_num_seqs preempts the excess at once).
+PREEMPTION_STALL = "kvpilot_request_preemption_stall_seconds"
 
 # The engine's cost curve (engine/step_cost.py): sums over steps of the terms a least-squares fit of
 # step seconds on decode rows and prefill tokens needs, one sample per term (label TERM_LABEL); and

@@ -28,6 +28,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 class _Progress:
     num_tokens: int = 0  # tokens of the request's longest sequence seen so far
     last_token_time: float | None = None
+    num_preemptions: int = 0
 
 
 class EngineStatsCollector(Collector):
@@ -223,6 +224,11 @@ class ServerMetrics:
             "Seconds from arrival until the request was first scheduled.",
             names.REQUEST_LATENCY_BUCKETS,
         )
+        self.preemption_stall = histogram(
+            names.PREEMPTION_STALL,
+            "Seconds from a preempted request's last token to its next: its wait to be scheduled again.",
+            names.REQUEST_LATENCY_BUCKETS,
+        )
         self._progress: dict[str, _Progress] = {}
 
     # ---- StepObserver (engine thread) -------------------------------------------
@@ -235,12 +241,15 @@ class ServerMetrics:
             if new_tokens > 0:
                 if progress.last_token_time is None:
                     self._observe_first_token(output, now)
+                elif output.metrics.num_preemptions > progress.num_preemptions:
+                    self.preemption_stall.observe(now - progress.last_token_time)
                 else:
                     per_token = (now - progress.last_token_time) / new_tokens
                     for _ in range(new_tokens):
                         self.inter_token_latency.observe(per_token)
                 progress.num_tokens = num_tokens
                 progress.last_token_time = now
+                progress.num_preemptions = output.metrics.num_preemptions
             if output.finished:
                 del self._progress[output.request_id]
                 metrics = output.metrics
