@@ -276,12 +276,14 @@ class AsyncLLMEngine:
     # ---- the engine thread -------------------------------------------------------
 
     def _run(self) -> None:
+        commands: list[Any] | None = []
         try:
             while True:
                 commands = self._take_commands()
                 if commands is None:
                     break
                 self._apply(commands)
+                commands = []
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     now = time.monotonic()
@@ -294,7 +296,7 @@ class AsyncLLMEngine:
         except BaseException as exc:  # noqa: BLE001 - any failure kills the loop and must be reported
             logger.exception("engine loop died; the server now answers 503")
             self.dead_error = exc
-            self._fail_commands(exc)
+            self._fail_commands(exc, in_hand=commands or [])
             self._call_soon(self._fail_all, exc)
 
     def _take_commands(self) -> list[Any] | None:
@@ -369,9 +371,11 @@ class AsyncLLMEngine:
             self._engine_waiting = stats.num_waiting
         self._stats = stats
 
-    def _fail_commands(self, error: BaseException) -> None:
+    def _fail_commands(self, error: BaseException, in_hand: list[Any]) -> None:
+        """Fails the queued commands and those taken but not all applied when the loop died (the
+        one that raised among them: its client would otherwise wait forever)."""
         with self._wakeup:
-            commands = list(self._commands)
+            commands = in_hand + list(self._commands)
             self._commands.clear()
         for command in commands:
             if isinstance(command, (_Add, _SetLimits)):

@@ -67,6 +67,17 @@ def test_chat_without_template_is_a_clear_400(small, monkeypatch):
     assert "chat template" in response.json()["error"]["message"]
 
 
+def test_a_request_that_kills_the_engine_loop_gets_a_503_not_a_hang(live_server_factory, monkeypatch):
+    doomed = live_server_factory()
+
+    def broken_add(*args, **kwargs):
+        raise AttributeError("a bug while adding the request")
+
+    monkeypatch.setattr(doomed.engine, "add_request", broken_add)
+    response = httpx.post(f"{doomed.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=30)
+    assert response.status_code == 503 and "a bug while adding" in response.json()["error"]["message"]
+
+
 def test_dead_engine_loop_turns_health_to_503(live_server_factory, monkeypatch):
     doomed = live_server_factory()
 
