@@ -194,8 +194,11 @@ def mask_disallowed(logits: torch.Tensor, matchers: Sequence[Any | None]) -> tor
     # All rows in one call into llguidance's own threads (no GIL): about 0.5 ms a row one by one.
     lltorch.fill_next_token_bitmask_par(_executor(), [(matchers[row], slot) for slot, row in enumerate(rows)],
                                         bitmask)
-    constrained = logits[rows].clone()
-    lltorch.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
+    # Unpacked here with plain tensor ops: llguidance's own apply_token_bitmask_inplace compiles a
+    # kernel with torch.compile, which on a CPU needs a C++ compiler (the image has none).
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(len(rows), -1)  # [rows, words * 32]
+    allowed = allowed[:, :vocab].to(logits.device)
     logits = logits.clone()
-    logits[rows] = constrained
+    logits[rows] = logits[rows].masked_fill(~allowed, -float("inf"))
     return logits

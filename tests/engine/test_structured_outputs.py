@@ -6,7 +6,10 @@ unconstrained rows right."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -132,3 +135,23 @@ def test_llm_chat_renders_the_template_and_takes_a_constraint(llm):
     offered = llm.chat(conversation, params, use_tqdm=False, tools=tools,
                        chat_template="{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0]['content'] }}")
     assert offered[0].prompt == "paint;Pick a colour."
+
+
+def test_constraints_need_no_cxx_compiler(tiny_model_dir, tmp_path):
+    """The image has no C++ compiler: masking must not go through torch.compile (llguidance's own
+    apply_token_bitmask_inplace does, and killed the engine loop in the image)."""
+    script = tmp_path / "constrained.py"
+    script.write_text(
+        "import sys\n"
+        "from kvpilot.engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_model_dir)!r}, dtype='float32', device='cpu', max_model_len=128, "
+        "kv_cache_memory=4 << 20)\n"
+        "params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={'choice': ['yes', 'no']})\n"
+        "print(llm.generate(['Hello'], params, use_tqdm=False)[0].outputs[0].text)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("CXX", "CC")}
+    env["PATH"] = str(tmp_path)  # no g++, no gcc: only the interpreter, named by its full path
+    run = subprocess.run([sys.executable, "-P", str(script)], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] in ("yes", "no")
