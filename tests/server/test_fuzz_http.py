@@ -270,28 +270,28 @@ def _post(http, path: str, body: dict) -> httpx.Response:
     return http.post(path, content=content, headers={"Content-Type": "application/json"})
 
 
+def _post_and_check(http, tally, path: str, body: dict) -> None:
+    response = _post(http, path, body)
+    tally["hypothesis"][response.status_code] += 1
+    check_answer(response, needs_param=True)
+
+
 @FUZZ_SETTINGS
 @given(body=completion_bodies())
 def test_generated_completion_bodies(http, tally, body):
-    response = _post(http, COMPLETIONS, body)
-    tally["hypothesis"][response.status_code] += 1
-    check_answer(response, needs_param=True)
+    _post_and_check(http, tally, COMPLETIONS, body)
 
 
 @FUZZ_SETTINGS
 @given(body=chat_bodies())
 def test_generated_chat_bodies(http, tally, body):
-    response = _post(http, CHAT, body)
-    tally["hypothesis"][response.status_code] += 1
-    check_answer(response, needs_param=True)
+    _post_and_check(http, tally, CHAT, body)
 
 
 @FUZZ_SETTINGS
 @given(body=tool_bodies())
 def test_generated_tool_bodies(http, tally, body):
-    response = _post(http, CHAT, body)
-    tally["hypothesis"][response.status_code] += 1
-    check_answer(response, needs_param=True)
+    _post_and_check(http, tally, CHAT, body)
 
 
 def test_generated_bodies_left_the_engine_serving(live, http):
