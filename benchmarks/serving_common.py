@@ -47,6 +47,23 @@ ATTEMPTS = 4  # targets tried per request before it counts as failed
 NO_TARGET_WAIT_S = 0.5
 
 
+def cpu_description() -> str:
+    """The CPU model, core count and AVX flags, printed with every CPU result (machines differ)."""
+    from kvpilot.kernels import cpu_features
+
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    avx = " ".join(sorted(f for f in cpu_features.cpu_flags_line().split() if "avx" in f)) or "no avx"
+    return f"{model}, {os.cpu_count()} CPUs, flags: {avx}"
+
+
+def native_dtype() -> str:
+    """What the engine's dtype auto picks on this CPU: bfloat16 where it computes it natively."""
+    from kvpilot.kernels import cpu_features
+
+    return "bfloat16" if cpu_features.detect().native_bf16 else "float32"
+
+
 def generated_model(preset: str, seed: int) -> Path:
     """A random Llama-family model of ``preset`` size, generated on first use under MODEL_CACHE."""
     path = MODEL_CACHE / f"{preset}-llama-seed{seed}"

@@ -1,8 +1,9 @@
 """Live tuning: the operator's tuner against a real `kvpilot serve` on the CPU, vs a static oracle.
 
-One engine process serves the generated ``small`` preset model (CPU, float32, a step budget
-of twice the largest setting swept: room for every running sequence's decode token plus the
-prefill of the arrivals, so the budget never caps the batch below ``max_num_seqs``). A load thread sends Poisson arrivals of completions with mixed prompt (4-24
+One engine process serves the generated ``small`` preset model on the CPU, in the dtype the engine
+picks for this CPU (bfloat16 where it is native; ``--dtype`` overrides), with a step budget of twice
+the largest setting swept: room for every running sequence's decode token plus the prefill of the
+arrivals, so the budget never caps the batch below ``max_num_seqs``. A load thread sends Poisson arrivals of completions with mixed prompt (4-24
 words) and output (16-160 tokens, EOS ignored) lengths at a rate above what any setting can
 serve, so the engine is always saturated (at most ``--max-in-flight`` requests are
 outstanding; arrivals beyond that are shed at the client and counted). Prompts are short
@@ -61,7 +62,7 @@ from kvpilot.operator.engine_client import EngineClient
 from kvpilot.operator.engine_metrics import MetricsCollector, Observation
 from kvpilot.operator.plan import settle_seconds
 from kvpilot.operator.spec import EngineSettings, MaxNumSeqsBounds, Slo, Tuning
-from serving_common import PoissonLoad, ServerProcess, free_port, generated_model
+from serving_common import PoissonLoad, ServerProcess, cpu_description, free_port, generated_model, native_dtype
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 ADMIN_TOKEN = "benchmark-admin-token-0123456789abcdef"
@@ -84,7 +85,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=15.0, help="tuning interval, seconds")
     parser.add_argument("--intervals", type=int, default=12, help="tuning intervals per closed-loop run")
     parser.add_argument("--runs", type=int, default=3, help="closed-loop runs per start")
-    parser.add_argument("--dtype", default="float32", help="engine dtype (on CPUs with AVX-512 BF16, bfloat16 matmuls are several times faster)")
+    parser.add_argument("--dtype", default=None,
+                        help="engine dtype (default: the engine's own choice, bfloat16 where the CPU computes it natively)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's step budget (default: twice the largest --grid setting)")
     parser.add_argument("--engine-threads", type=int, default=None, help="OMP_NUM_THREADS for the engine")
@@ -102,6 +104,7 @@ def parse_args() -> argparse.Namespace:
     if sorted(set(args.grid)) != args.grid or args.grid[0] < 1:
         parser.error("--grid: give increasing positive max_num_seqs values")
     args.max_in_flight = args.max_in_flight or 2 * args.grid[-1]
+    args.dtype = args.dtype or native_dtype()
     return args
 
 
@@ -411,8 +414,8 @@ def main() -> int:
     print("  sweep (mean of the two sweeps):")
     for p in points:
         print(f"    max_num_seqs {p.max_num_seqs:3d}: {p.tokens_per_second:6.1f} tok/s, ITL P99 {_ms(p.itl_p99)}")
-    print(f"  machine: {os.cpu_count()} CPUs, load average at start {load_before:.1f}, at end {os.getloadavg()[0]:.1f} "
-          "(other processes compete for the cores: expect noise)")
+    print(f"  machine: {cpu_description()}; engine dtype {args.dtype}; load average at start {load_before:.1f}, "
+          f"at end {os.getloadavg()[0]:.1f} (other processes compete for the cores: expect noise)")
     edge = " (at an end of the grid: the run says little)" if oracle.max_num_seqs in (grid[0], grid[-1]) else ""
     print(f"  SLO ITL P99 {args.slo_ms:g} ms, oracle {oracle.tokens_per_second:.1f} tok/s at max_num_seqs "
           f"{oracle.max_num_seqs}{edge}, tuning interval {args.interval:g} s")
@@ -438,6 +441,7 @@ def main() -> int:
                       DOCS / f"tuning-from-{label}.png")
     if args.json is not None:
         args.json.write_text(json.dumps({
+            "machine": cpu_description(), "dtype": args.dtype,
             "slo_seconds": slo, "rate": load.rate, "oracle": asdict(oracle), "sweep": [asdict(p) for p in points],
             "sweep_before": [asdict(p) for p in before], "sweep_after": [asdict(p) for p in after],
             "runs": {str(s): [[asdict(p) for p in t] for t in traces] for s, traces in runs.items()},

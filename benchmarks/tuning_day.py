@@ -103,7 +103,7 @@ from kvpilot.operator.engine_metrics import MetricsCollector, parse_snapshot
 from kvpilot.operator.plan import settle_seconds
 from kvpilot.operator.spec import EngineSettings, Tuning
 from prometheus_client.parser import text_string_to_metric_families
-from serving_common import WORDS, ServerProcess, free_port, generated_model
+from serving_common import WORDS, ServerProcess, cpu_description, free_port, generated_model, native_dtype
 
 ADMIN_TOKEN = "benchmark-admin-token-0123456789abcdef"
 SERVED_NAME = "small"
@@ -160,21 +160,8 @@ def parse_args() -> argparse.Namespace:
         args.drain, args.calibration_seconds = 10.0, 15.0
     elif args.phase_intervals < 12:
         print(f"warning: {args.phase_intervals} intervals a phase is fewer than the 12 the tuner is judged on")
-    args.dtype = args.dtype or ("bfloat16" if "avx512_bf16" in cpu_flags() else "float32")
+    args.dtype = args.dtype or native_dtype()
     return args
-
-
-def cpu_flags() -> set[str]:
-    text = Path("/proc/cpuinfo").read_text()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "flags:")
-    return set(line.split(":", 1)[1].split())
-
-
-def cpu_description() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
-    avx = " ".join(sorted(f for f in cpu_flags() if "avx" in f)) or "no avx"
-    return f"{model}, {os.cpu_count()} CPUs, flags: {avx}"
 
 
 # ------------------------------------------------------------------------------------------ the day

@@ -17,8 +17,10 @@ A pure function, in four named steps, each testable on synthetic streams:
 3. **Guardrails** (in ``tune``): no verdict without enough samples; no growth without a queue (more
    sequences would not raise throughput) or past what the KV cache holds at the observed lengths;
    a move that reverses the last one waits for a second window at the setting; when no setting
-   within the bounds is predicted to meet the SLO, the tuner says so and keeps the setting with the
-   best throughput it has seen instead of walking down to the minimum (replicas are the cure).
+   within the bounds is predicted to meet the SLO, the tuner measures a smaller one unless the
+   windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
+   then says so and keeps the setting with the best throughput it has seen instead of walking down
+   to the minimum (replicas are the cure).
 4. **Move** (``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
    up and ÷4 down per interval (a decrease acts in the engine's next step: it preempts the excess).
    A tail made of prefill chunks while the decode steps alone meet the SLO lowers
@@ -293,16 +295,21 @@ def tune(
     decode_best = _largest(lambda s: prediction.decode_p99(s) <= target, seq_bounds.min, seq_bounds.max)
     recently_unreachable = history.unreachable_at is not None and \
         now - history.unreachable_at <= config.bracket_windows * observation.window_seconds
-    if decode_best is None and not prediction.cost.slope_measured and not recently_unreachable and m > seq_bounds.min:
-        # One batch size seen, and its split into fixed and per-row cost only a prior: measure
-        # another batch size before calling the SLO out of reach.
-        best = decode_best = max(math.floor(m * config.max_backoff), seq_bounds.min)
+    probe = None
+    if decode_best is None and sample.itl_p99 > slo_itl:
+        # A line fitted at large batches is an extrapolation at small ones, and a step's cost is
+        # concave in the batch: the SLO is out of reach only once the windows say so.
+        probe = _probe_below(history.samples, m, slo_itl, target, seq_bounds.min, config)
+        if probe is not None:
+            best = decode_best = probe[0]
+    if best is None and sample.itl_p99 <= slo_itl:
+        best = m  # the window meets the SLO: the prediction errs at this batch, not the setting
     if (best is None or best < m) and decode_best is not None and decode_best >= m and \
             tuning.max_num_batched_tokens is not None:
         # The tail is prefill chunks sharing decode steps: a smaller budget per step cures it.
         return _budget_move(prediction, settings, tuning, history, target, f"{where}: steps carrying prefill "
                             f"chunks set the tail{why}", decide, grow=False)
-    if best is None or (recently_unreachable and not prediction.cost.slope_measured):
+    if best is None or (recently_unreachable and not prediction.cost.slope_measured and sample.itl_p99 > slo_itl):
         # (With the slope no longer in the fitted windows, only a prior: the recent verdict stands.)
         prefill_made = best is None and decode_best is not None
         kept = m if prefill_made else (_best_seen(history.samples) or m)
@@ -343,7 +350,7 @@ def tune(
         elif not violated:
             return decide(settings, f"{where} is within the noise band ({band:.0%}) over {slo_text}: confirming "
                                     f"over one more window{why}", history)
-        else:
+        elif probe is None:
             now_level = replace(prediction, level=sample.level or prediction.level)
             best = min(best, _largest(lambda s: now_level.itl_p99(s, tokens) <= target, seq_bounds.min, m - 1)
                        or seq_bounds.min)
@@ -370,6 +377,9 @@ def tune(
         if new > m and new - m < max(2, config.tight_bracket * m):
             return decide(settings, f"{where} meets {slo_text}: {new} would climb back towards the setting just "
                                     f"left for less than {config.tight_bracket:.0%}: holding{why}", history)
+    if probe is not None and new < m:
+        return decide(_with_seqs(settings, new), f"{where} is over {slo_text} and no setting is predicted to meet it, "
+                                                 f"but {probe[1]}: measuring max_num_seqs {m} → {new}{why}", history)
     verb = "leaves room under" if new > m else "is over the target for"
     return decide(_with_seqs(settings, new), f"{where} {verb} {slo_text}: max_num_seqs {m} → {new}{why}", history)
 
@@ -497,6 +507,45 @@ def _log_variance(values: list[float | None]) -> float:
         return 0.0
     mean = sum(logs) / len(logs)
     return sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)
+
+
+def _probe_below(samples: tuple[Sample, ...], m: int, slo: float, target: float, low: int, config: TunerConfig
+                 ) -> tuple[int, str] | None:
+    """A smaller setting worth measuring before the SLO is called out of reach, and why; None when the
+    windows already show that none below meets it.
+
+    The windows' ITL P99 per setting (recent ones, median of each) give an optimistic curve below the
+    smallest setting measured: a power law through the two smallest, ITL ∝ batch^p (p in 0..1), which
+    a concave cost lies above. Where even that curve puts the lower bound over the SLO, no smaller
+    setting meets it (a step mostly fixed cost: a flat curve); otherwise the probe goes to where the
+    curve meets ``target``, at most ÷4 from ``m``. One setting measured: ÷4. A smaller setting that met
+    the SLO lately is returned to."""
+    by_setting: dict[int, list[Sample]] = {}
+    for s in samples[-config.bracket_windows:]:
+        by_setting.setdefault(s.max_num_seqs, []).append(s)
+    points = sorted((sum(s.batch for s in group) / len(group), _median([s.itl_p99 for s in group]), setting)
+                    for setting, group in by_setting.items())
+    (b1, y1, lowest), rest = points[0], points[1:]
+    floor = max(math.floor(m * config.max_backoff), low)
+    if lowest < m and y1 <= slo:
+        return max(lowest, floor), f"{lowest} met it lately (ITL P99 {y1 * 1e3:.0f} ms)"
+    if lowest <= low:
+        return None
+    if not rest or rest[0][0] < 1.25 * b1:
+        return min(floor, lowest - 1), f"only batch {b1:.0f} has been measured"
+    b2, y2, _ = rest[0]
+    power = min(max(math.log(max(y2, y1) / y1) / math.log(b2 / b1), 0.0), 1.0)
+    if y1 * (low / b1) ** power > slo:
+        return None
+    aim = max(math.floor(b1 * (target / y1) ** (1 / power)) if power > 0 else low, low)
+    text = (f"the ITL P99 fell as batch^{power:.2f} from {b2:.0f} to {b1:.0f} ({y2 * 1e3:.0f} → {y1 * 1e3:.0f} ms), "
+            f"which would meet it near {aim}")
+    return min(max(aim, floor), lowest - 1), text
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def _largest(meets, low: int, high: int) -> int | None:

@@ -41,6 +41,7 @@ class SimulatedEngine:
 
     a: float = 0.040
     b: float = 0.0015
+    power: float = 1.0  # a step's rows cost b·rows^power: below 1, concave (matmuls cheaper per row in a larger batch)
     c: float = 0.0001  # per prefill token
     convex_from: float = math.inf  # beyond this batch, steps grow quadratically
     convex: float = 0.0
@@ -55,30 +56,37 @@ class SimulatedEngine:
         return min(max_num_seqs, self.kv_seqs, self.arrival_limited_batch)
 
     def step_seconds(self, rows: float, prefill: float) -> float:
-        return self.a + self.b * rows + self.c * prefill + self.convex * max(0.0, rows - self.convex_from) ** 2
+        return (self.a + self.b * rows ** self.power + self.c * prefill
+                + self.convex * max(0.0, rows - self.convex_from) ** 2)
 
-    def window(self, params: EngineSettings, rng: random.Random, slowdown: float = 1.0) -> Observation:
-        rows = self.batch(params.max_num_seqs)
+    def window(self, params: EngineSettings, rng: random.Random, slowdown: float = 1.0,
+               ramp: float = 0.0) -> Observation:
+        """``ramp``: the share of the window's steps in which the batch fills up from one row, each
+        of those steps prefilling the arrivals (the window after a raise of max_num_seqs)."""
+        full = self.batch(params.max_num_seqs)
         budget = params.max_num_batched_tokens or 2048
         sums = dict.fromkeys(names.STEP_COST_TERMS, 0.0)
         decode, prefill, itl = [], [], []
-        for _ in range(self.steps):
-            chunk = min(self.prompt_tokens, max(budget - rows, 0)) if rng.random() < self.prefill_share else 0
+        for step in range(self.steps):
+            filled = step / (ramp * self.steps) if ramp else 1.0
+            rows = full if filled >= 1.0 else 1.0 + (full - 1.0) * filled
+            chunk = min(self.prompt_tokens, max(budget - rows, 0)) if rng.random() < self.prefill_share or \
+                filled < 1.0 else 0
             t = self.step_seconds(rows, chunk) * slowdown * max(0.5, 1.0 + self.noise * rng.gauss(0.0, 1.0))
             for term, value in zip(names.STEP_COST_TERMS, (1, rows, chunk, t, rows * rows, rows * chunk,
                                                            chunk * chunk, rows * t, chunk * t, t * t)):
                 sums[term] += value
             (prefill if chunk else decode).append(t)
             itl.append(t)  # every running row gets one token per step
-        saturated = self.arrival_limited_batch > rows
+        saturated = self.arrival_limited_batch > full
         seconds = sums["seconds"]
         return Observation(
             window_seconds=INTERVAL, pods=1, output_tokens_per_second=sums["rows"] / seconds,
             prompt_tokens_per_second=sums["prefill"] / seconds, requests_per_second=1.0, requests_finished=30.0,
             itl_samples=sums["rows"], ttft_p50=0.2, ttft_p99=0.5, itl_p50=quantile(itl, 0.5),
             itl_p99=quantile(itl, 0.99), e2e_p50=5.0, e2e_p99=9.0, queue_time_p99=0.05,
-            mean_running_per_pod=rows, running=rows, waiting=8.0 if saturated else 0.0,
-            waiting_now=8.0 if saturated else 0.0, kv_cache_usage=min(1.0, rows / self.kv_seqs),
+            mean_running_per_pod=sums["rows"] / self.steps, running=full, waiting=8.0 if saturated else 0.0,
+            waiting_now=8.0 if saturated else 0.0, kv_cache_usage=min(1.0, full / self.kv_seqs),
             kv_cache_blocks=1000.0, preemptions_per_second=0.0, prefix_cache_hit_rate=None,
             mean_output_tokens_per_request=100.0, max_num_seqs=params.max_num_seqs,
             max_num_batched_tokens=budget, gpu_memory_utilization=params.gpu_memory_utilization,
@@ -101,14 +109,16 @@ class SimulatedEngine:
 
 
 def run(engine: SimulatedEngine, start: int, intervals: int = 12, seed: int = 0, within: Tuning = TUNING,
-        tokens: int = 2048, slowdowns: list[float] | None = None, config: TunerConfig = TunerConfig()):
-    """The closed loop: (settings, reason, observation) per interval, and the final settings."""
+        tokens: int = 2048, slowdowns: list[float] | None = None, config: TunerConfig = TunerConfig(),
+        first_ramp: float = 0.0):
+    """The closed loop: (settings, reason, observation) per interval, and the final settings.
+    ``first_ramp``: the share of the first window in which the batch fills up to the start."""
     rng = random.Random(seed)
     params = EngineSettings(max_num_seqs=start, gpu_memory_utilization=0.9, max_num_batched_tokens=tokens)
     history = TuningHistory()
     trace = []
     for i in range(intervals):
-        obs = engine.window(params, rng, slowdowns[i] if slowdowns else 1.0)
+        obs = engine.window(params, rng, slowdowns[i] if slowdowns else 1.0, ramp=first_ramp if i == 0 else 0.0)
         decision = tune(obs, params, within, history, now=(i + 1) * INTERVAL, config=config)
         trace.append((params, decision.reason, obs, decision))
         params, history = decision.settings, decision.history
@@ -153,6 +163,32 @@ def test_a_decrease_from_the_top_meets_the_slo_by_the_second_interval():
     engine = ENGINES["linear"]
     trace, final = run(engine, 256, intervals=3)
     assert engine.expected(trace[2][0].max_num_seqs).itl_p99 <= SLO, seqs_of(trace, final)
+
+
+# A step's cost concave in the batch, as on a CPU (benchmarks/tuning.py run 20's sweep: ITL P99 86 ms at
+# 2, 115 at 4, 174 at 16, 918 at 256): a line through large batches puts the intercept over the SLO.
+CONCAVE = SimulatedEngine(a=0.040, b=0.0246, power=0.63)
+
+
+@pytest.mark.parametrize("ramp", [0.0, 0.3, 0.5])
+def test_a_line_fitted_at_the_top_does_not_call_the_slo_out_of_reach(ramp):
+    # Run 20 from 256: the first window held the batch filling up, its fit read an intercept of
+    # ~130 ms (over the 100 ms SLO) and the tuner kept 256 for the whole run, 930 ms over the SLO.
+    trace, final = run(CONCAVE, 256, intervals=10, first_ramp=ramp)
+    seqs = seqs_of(trace, final)
+    assert CONCAVE.expected(final.max_num_seqs).itl_p99 <= SLO, (seqs, trace[-1][1])
+    assert all(CONCAVE.expected(m).itl_p99 <= SLO for m in seqs[6:]), seqs
+    assert reversals(seqs) <= 1, seqs
+    assert "measuring max_num_seqs 256 → 64" in trace[0][1], trace[0][1]
+
+
+def test_a_window_meeting_the_slo_is_not_called_out_of_reach():
+    # A prediction that puts every setting over the target errs where the window itself meets the SLO.
+    params = EngineSettings(max_num_seqs=2, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    window = CONCAVE.window(params, random.Random(0))
+    assert 0.085 < window.itl_p99 <= SLO
+    decision = tune(window, params, tuning(seqs=(2, 256)), TuningHistory(), now=0.0, config=TunerConfig(margin=0.2))
+    assert not decision.slo_unreachable and decision.settings.max_num_seqs == 2, decision.reason
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -324,8 +360,9 @@ class QueueingEngine(SimulatedEngine):
     queue_seconds: float = 4.0
     prefill_steps: int = 4
 
-    def window(self, params: EngineSettings, rng: random.Random, slowdown: float = 1.0) -> Observation:
-        obs = super().window(params, rng, slowdown)
+    def window(self, params: EngineSettings, rng: random.Random, slowdown: float = 1.0,
+               ramp: float = 0.0) -> Observation:
+        obs = super().window(params, rng, slowdown, ramp)
         ttft = self.queue_seconds + self.prefill_steps * obs.itl_p50
         return replace(obs, ttft_p99=ttft, queue_time_p99=self.queue_seconds, ttft_queue_share=self.queue_seconds / ttft)
 
@@ -339,8 +376,9 @@ class SlowPrefillEngine(SimulatedEngine):
     def ttft_p99(self, m: int) -> float:
         return self.prefill_steps * self.step_seconds(self.batch(m), 0) * 1.1
 
-    def window(self, params: EngineSettings, rng: random.Random, slowdown: float = 1.0) -> Observation:
-        obs = super().window(params, rng, slowdown)
+    def window(self, params: EngineSettings, rng: random.Random, slowdown: float = 1.0,
+               ramp: float = 0.0) -> Observation:
+        obs = super().window(params, rng, slowdown, ramp)
         return replace(obs, ttft_p99=self.ttft_p99(params.max_num_seqs), queue_time_p99=0.01, ttft_queue_share=0.02)
 
 
