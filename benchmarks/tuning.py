@@ -154,12 +154,14 @@ class Interval:
     itl_p99: float | None
     batch: float | None
     reason: str = ""
+    observation: dict | None = None  # what the tuner read (closed loops), to replay its decisions offline
 
 
-def summarize(obs: Observation | None, max_num_seqs: int, t: float, reason: str = "") -> Interval:
+def summarize(obs: Observation | None, max_num_seqs: int, t: float, reason: str = "", keep: bool = False) -> Interval:
     if obs is None:
         return Interval(t, max_num_seqs, 0.0, None, None, reason)
-    return Interval(t, max_num_seqs, obs.output_tokens_per_second, obs.itl_p99, obs.mean_running_per_pod, reason)
+    return Interval(t, max_num_seqs, obs.output_tokens_per_second, obs.itl_p99, obs.mean_running_per_pod, reason,
+                    asdict(obs) if keep else None)
 
 
 async def measure_setting(url: str, max_num_seqs: int, warmup: float, window: float) -> Interval:
@@ -226,13 +228,14 @@ async def closed_loop(url: str, start: int, slo: float, bounds: MaxNumSeqsBounds
         await set_max_num_seqs(session, url, start)
         await settle(session, url, start)
         began = time.time()
+        await asyncio.sleep(settle_seconds(interval))  # as after any change the operator makes
         collector.ingest(EngineClient().scrape({"engine": url}), time.time())
-        await asyncio.sleep(interval)
+        await asyncio.sleep(interval - settle_seconds(interval))
         for _ in range(intervals):
             obs = collector.ingest(EngineClient().scrape({"engine": url}), time.time()).service
             now = time.time()
             decision = tuner.tune(obs, params, Tuning(slo=Slo(itl_p99_seconds=slo), max_num_seqs=bounds), history, now)
-            trace.append(summarize(obs, params.max_num_seqs, now - began, decision.reason))
+            trace.append(summarize(obs, params.max_num_seqs, now - began, decision.reason, keep=True))
             print(f"  t={now - began:5.0f}s max_num_seqs {params.max_num_seqs:3d}: "
                   f"{trace[-1].tokens_per_second:6.1f} tok/s, ITL P99 {_ms(trace[-1].itl_p99)} | {decision.reason}",
                   flush=True)

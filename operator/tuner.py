@@ -10,7 +10,8 @@ A pure function, in four named steps, each testable on synthetic streams:
    seconds ≈ a + b·rows + c·prefill tokens) times the decode steps' tail (their P99 over their
    mean) predicts the ITL P99 at any ``max_num_seqs``. Steps that carry prefill chunks spike above
    that; when enough of them share the decode steps, the P99 falls among them and is predicted from
-   the chunk, which ``max_num_batched_tokens`` caps. The request-level ITL P99 only checks and
+   the chunk, which ``max_num_batched_tokens`` caps, and which shrinks with the batch while prompts
+   join only as sequences finish (``Prediction.chunk_at``). The request-level ITL P99 only checks and
    corrects the prediction: their ratio, averaged over recent windows, scales it (Dynamo's planner
    corrects its predictions the same way), and the margin below the SLO grows with how much that
    ratio moves from window to window (a noisy node gets a wider margin, not a hunt).
@@ -174,18 +175,36 @@ class Prediction:
     cost: step_cost.StepCost
     level: float  # the machine's recent speed against the cost's line (1: as fitted)
     decode_tail: float
-    prefill_share: float
-    prefill_chunk: float
+    prefill_share: float  # of the window's steps
+    prefill_chunk: float  # prefill tokens of such a step
     chunks_fill_budget: bool  # the chunks filled the step budget: long prompts, which the budget caps
     prefill_tail: float  # prefill steps' P99 over their predicted mean
     correction: float
     config: TunerConfig
+    batch: float = 0.0  # the window's
+    admissions_follow_batch: bool = False  # saturated: a sequence joins as one finishes
+
+    def chunk_at(self, seqs: float) -> float:
+        """Prefill tokens of a step carrying prefill, at ``seqs`` running.
+
+        Saturated, a sequence joins as one finishes, so prompts join in proportion to the batch: at
+        256 running a step carries several prompts, at 32 one (joins per step taken as Poisson, the
+        window's share of prefill steps giving their rate). Prompts that fill the step budget, and
+        arrivals that do not wait for a slot, do not change with the setting. The share of steps
+        carrying prefill is kept as observed: fewer at a smaller batch would only lower the tail."""
+        if not self.admissions_follow_batch or self.chunks_fill_budget or self.batch < 1 or self.prefill_share <= 0:
+            return self.prefill_chunk
+        joins = -math.log(1.0 - min(self.prefill_share, 0.99))  # per step, at the window's batch
+        prompt = self.prefill_share * self.prefill_chunk / joins  # tokens one join brings
+        at = joins * seqs / self.batch
+        return prompt * at / -math.expm1(-at)  # mean tokens of a step with at least one join
 
     def chunk(self, seqs: float, tokens: int | None) -> float:
+        chunk = self.chunk_at(seqs)
         if tokens is None:
-            return self.prefill_chunk
+            return chunk
         room = max(tokens - seqs, 0.0)
-        return room if self.chunks_fill_budget else min(self.prefill_chunk, room)
+        return room if self.chunks_fill_budget else min(chunk, room)
 
     def decode_p99(self, seqs: float) -> float:
         return self.cost.seconds(seqs) * self.level * self.decode_tail * self.correction
@@ -293,15 +312,20 @@ def tune(
         # Between the target and the SLO: where growth stops, but no reason to come down.
         best = m
     decode_best = _largest(lambda s: prediction.decode_p99(s) <= target, seq_bounds.min, seq_bounds.max)
-    recently_unreachable = history.unreachable_at is not None and \
-        now - history.unreachable_at <= config.bracket_windows * observation.window_seconds
-    probe = None
-    if decode_best is None and sample.itl_p99 > slo_itl:
-        # A line fitted at large batches is an extrapolation at small ones, and a step's cost is
-        # concave in the batch: the SLO is out of reach only once the windows say so.
+    # Windows before lines. A line fitted at large batches is an extrapolation at small ones (a step's
+    # cost is concave in the batch), and until two batch sizes are fitted its slope is a prior: before
+    # the SLO is called out of reach, or a prior sends the batch down, the windows say whether a
+    # smaller setting can meet it.
+    probe = refuted = None
+    prior_down = not prediction.cost.slope_measured and best is not None and best < m
+    if sample.itl_p99 > slo_itl and (decode_best is None or prior_down):
         probe = _probe_below(history.samples, m, slo_itl, target, seq_bounds.min, config)
-        if probe is not None:
+        if probe is None:
+            refuted = prior_down
+        elif decode_best is None:
             best = decode_best = probe[0]
+        else:
+            best, probe = max(best, probe[0]), None  # a prior's move, no further than the windows' curve
     if best is None and sample.itl_p99 <= slo_itl:
         best = m  # the window meets the SLO: the prediction errs at this batch, not the setting
     if (best is None or best < m) and decode_best is not None and decode_best >= m and \
@@ -309,8 +333,7 @@ def tune(
         # The tail is prefill chunks sharing decode steps: a smaller budget per step cures it.
         return _budget_move(prediction, settings, tuning, history, target, f"{where}: steps carrying prefill "
                             f"chunks set the tail{why}", decide, grow=False)
-    if best is None or (recently_unreachable and not prediction.cost.slope_measured and sample.itl_p99 > slo_itl):
-        # (With the slope no longer in the fitted windows, only a prior: the recent verdict stands.)
+    if best is None or refuted:
         prefill_made = best is None and decode_best is not None
         kept = m if prefill_made else (_best_seen(history.samples) or m)
         cause = ("the tail comes from steps carrying prefill chunks, which a smaller batch does not cure "
@@ -451,6 +474,8 @@ def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, config: T
         prefill_tail=max((sample.prefill_p99 or prefill_mean) / prefill_mean, 1.0) if prefill_mean > 0 else 1.0,
         correction=1.0,
         config=config,
+        batch=sample.batch,
+        admissions_follow_batch=sample.saturated,
     )
     sample = replace(sample, correction=sample.itl_p99 / max(own.itl_p99(sample.batch, budget), 1e-9),
                      level=own_level)
