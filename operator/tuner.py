@@ -479,7 +479,9 @@ def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, config: T
     )
     sample = replace(sample, correction=sample.itl_p99 / max(own.itl_p99(sample.batch, budget), 1e-9),
                      level=own_level)
-    window = (previous + (sample,))[-config.correction_windows:]
+    # The ratio where it was read: windows at this setting (a window at another batch, or one in which
+    # the batch was filling up, says little about the prediction's error here).
+    window = _tail_at_setting(previous + (sample,), sample.max_num_seqs)[:config.correction_windows]
     low, high = config.correction_bounds
     correction = min(max(_geometric_mean([s.correction for s in window]) or 1.0, low), high)
     # The machine's speed: the slowest of the recent windows', so that a neighbour's load coming
