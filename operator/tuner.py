@@ -387,7 +387,7 @@ def tune(
                                         f"{why}", history)
 
     # 4. Move.
-    new, limit = _move(m, best, sample, observation, seq_bounds, config, prediction.cost.slope_measured)
+    new, limit = _move(m, best, sample, observation, seq_bounds, slo_itl, config, prediction.cost.slope_measured)
     if new == m:
         return decide(settings, f"{where} vs {slo_text}: {limit}: holding{why}", history)
     last = history.last_change(MAX_NUM_SEQS)
@@ -467,7 +467,7 @@ def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, config: T
     own = Prediction(
         cost=cost,
         level=own_level or 1.0,
-        decode_tail=tails[len(tails) // 2] if tails else 1.0,  # the median of recent windows: a P99 is noisy
+        decode_tail=tails[(len(tails) - 1) // 2] if tails else 1.0,  # the (lower) median of recent windows: a P99 is noisy
         prefill_share=sample.prefill_share,
         prefill_chunk=sample.prefill_chunk,
         chunks_fill_budget=budget is not None and sample.prefill_chunk >= 0.8 * max(budget - sample.batch, 1.0),
@@ -580,7 +580,7 @@ def _largest(meets, low: int, high: int) -> int | None:
     return next((s for s in range(high, low - 1, -1) if meets(s)), None)
 
 
-def _move(m: int, best: int, sample: Sample, observation: Observation, bounds, config: TunerConfig,
+def _move(m: int, best: int, sample: Sample, observation: Observation, bounds, slo: float, config: TunerConfig,
           slope_measured: bool) -> tuple[int, str]:
     """The next max_num_seqs towards ``best``, and what keeps it at ``m`` when it stays."""
     if best < m:
@@ -590,6 +590,8 @@ def _move(m: int, best: int, sample: Sample, observation: Observation, bounds, c
         return m, "the prediction puts the best setting here"
     if m >= bounds.max:
         return m, f"max_num_seqs is at its upper bound {m}"
+    if sample.itl_p99 > slo:
+        return m, "the window is over the SLO: no growth on a prediction alone"
     if not sample.saturated:
         return m, (f"not saturated (batch {sample.batch:.1f} of {m}, {observation.waiting:.1f} waiting): "
                    "more sequences would not raise throughput")

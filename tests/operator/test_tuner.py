@@ -205,6 +205,17 @@ def test_prompts_joining_as_sequences_finish_are_not_a_tail_the_batch_cannot_cur
     assert engine.expected(final.max_num_seqs).output_tokens_per_second >= 0.9 * engine.oracle(TUNING), seqs
 
 
+def test_a_window_over_the_slo_never_grows_on_a_prediction_alone():
+    # tuning.py run 22: one decode step's 10x spike inflated the tail, the correction fell to its
+    # bound x0.5 and the tuner grew 50 -> 63 from a window at 114 ms, over the 100 ms SLO.
+    params = EngineSettings(max_num_seqs=48, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    window = SimulatedEngine().window(params, random.Random(0))
+    assert window.itl_p99 > SLO
+    optimistic = TunerConfig(correction_bounds=(0.5, 0.5))  # the prediction at half what the windows read
+    decision = tune(window, params, TUNING, TuningHistory(), now=0.0, config=optimistic)
+    assert decision.settings.max_num_seqs <= 48 and "over the SLO" in decision.reason, decision.reason
+
+
 def test_a_window_meeting_the_slo_is_not_called_out_of_reach():
     # A prediction that puts every setting over the target errs where the window itself meets the SLO.
     params = EngineSettings(max_num_seqs=2, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
