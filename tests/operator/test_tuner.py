@@ -191,13 +191,18 @@ def test_a_line_fitted_at_the_top_does_not_call_the_slo_out_of_reach(ramp):
     assert "measuring max_num_seqs 256 → 64" in trace[0][1], trace[0][1]
 
 
+# tuning.py's engine in bfloat16 on 2 AVX-512 cores (run 21's sweep: 21 ms at 2, 78 at 32, 490 at 256),
+# prompts of 20 or 50 tokens joining as sequences of 88 tokens finish.
+BFLOAT16_CPU = {prompt: SimulatedEngine(a=0.0075, b=0.0007, c=0.0005, output_tokens=88, prompt_tokens=prompt,
+                                        noise=0.15, convex_from=128, convex=1.8e-5) for prompt in (20, 50)}
+
+
 @pytest.mark.parametrize("ramp", [0.0, 0.5])
 def test_prompts_joining_as_sequences_finish_are_not_a_tail_the_batch_cannot_cure(ramp):
     # benchmarks/tuning.py run 21 (bfloat16) from 256: 94% of the steps carried ~160 prefill tokens,
     # prompts that joined as sequences finished, and the tuner read a tail that no smaller batch cures
     # and kept 256 at 590 ms. Prompts join in proportion to the batch: at 32 a step carries one.
-    engine = SimulatedEngine(a=0.0075, b=0.0007, c=0.0005, output_tokens=88, prompt_tokens=50, noise=0.15,
-                             convex_from=128, convex=1.8e-5)
+    engine = BFLOAT16_CPU[50]
     trace, final = run(engine, 256, intervals=10, first_ramp=ramp)
     seqs = seqs_of(trace, final)
     assert not any(d.slo_unreachable for *_, d in trace), [r for _, r, *_ in trace]
@@ -439,3 +444,29 @@ def test_a_ttft_made_of_prefill_sets_the_batch_like_an_itl_slo(start):
     assert engine.ttft_p99(final.max_num_seqs) <= 1.0, (seqs, trace[-1][1])
     assert final.max_num_seqs >= 0.8 * best, seqs
     assert reversals(seqs[-8:]) == 0, seqs
+
+
+def test_the_fixed_load_goal_over_simulated_engines():
+    """benchmarks/tuning.py's goal (90% of the oracle within 8 intervals, holding, at most one
+    reversal) on five simulated engines, from 2 and from 256 (with and without the batch filling up
+    in the first window), three seeds each: a scoreboard, printed, that a change must not lower.
+    The concave engine's oracle sits 1 ms under the SLO, so it is met mostly by luck."""
+    engines = {**ENGINES, "concave": CONCAVE, "bf16-20": BFLOAT16_CPU[20], "bf16-50": BFLOAT16_CPU[50]}
+    met, board = 0, {}
+    for name, engine in engines.items():
+        oracle = engine.oracle(TUNING)
+
+        def good(m: int) -> bool:
+            obs = engine.expected(m)
+            return obs.output_tokens_per_second >= 0.9 * oracle and obs.itl_p99 <= SLO
+
+        marks = ""
+        for start, ramp in [(2, 0.0), (256, 0.0), (256, 0.3), (256, 0.5)]:
+            for seed in range(3):
+                seqs = seqs_of(*run(engine, start, intervals=12, seed=seed, first_ramp=ramp))
+                reached = next((i for i in range(len(seqs)) if all(good(m) for m in seqs[i:])), None)
+                ok = reached is not None and reached <= 8 and reversals(seqs) <= 1
+                met, marks = met + ok, marks + ("+" if ok else "-")
+        board[name] = marks
+    print("\n".join(f"{name:8} {marks}" for name, marks in board.items()), f"\nmet {met} of 60")
+    assert met >= 45, board  # 30 of 60 before tuning.py runs 21 and 22
