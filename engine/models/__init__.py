@@ -7,8 +7,7 @@ from kvpilot.engine.models.config import (
     read_model_arch,
     saved_dtype,
 )
-from kvpilot.engine.models.errors import ModelLoadError
-from kvpilot.engine.models.gguf_file import is_gguf_path
+from kvpilot.engine.checkpoint import ModelLoadError, is_gguf_path
 from kvpilot.engine.models.llama import CausalLM
 from kvpilot.engine.models.loader import SUPPORTED_DTYPES, load_model, load_tokenizer
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvpilot.engine.models.errors import ModelLoadError
+from kvpilot.engine.checkpoint import ModelLoadError
 from kvpilot.engine.models.gguf_config import ROPE_INTERLEAVED_ARCHITECTURES, gguf_model_arch
 from kvpilot.engine.models.gguf_file import SUPPORTED_TENSOR_TYPES, GGUFFile, import_gguf
 from kvpilot.engine.models.llama import CausalLM, rope_inv_freq

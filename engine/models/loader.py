@@ -16,8 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvpilot.engine.models.config import read_model_arch
-from kvpilot.engine.models.errors import ModelLoadError
-from kvpilot.engine.models.gguf_file import is_gguf_path
+from kvpilot.engine.checkpoint import ModelLoadError, is_gguf_path
 from kvpilot.engine.models.llama import CausalLM
 from kvpilot.engine.models.weight_targets import linear_slots, weight_targets
 from kvpilot.engine.quantization.assembly import LinearAssembler

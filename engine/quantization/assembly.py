@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from kvpilot.engine.models.errors import ModelLoadError
+from kvpilot.engine.checkpoint import ModelLoadError
 from kvpilot.engine.models.weight_targets import LinearSlot
 from kvpilot.engine.quantization.linear import QuantizedLinear
 from kvpilot.engine.quantization.packed import PackedWeight

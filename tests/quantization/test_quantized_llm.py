@@ -12,10 +12,10 @@ import torch
 
 from kvpilot.cli import main as kvpilot_main
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.awq_writer import quantize_model
 from kvpilot.engine.config import ConfigError
 from kvpilot.engine.models import ModelLoadError, load_model
 from kvpilot.engine.quantization.linear import QuantizedLinear
-from kvpilot.engine.quantization.writer import quantize_model
 from kvpilot.engine.scoring import EVAL_PASSAGE, perplexity, sequence_logits
 from kvpilot.kernels import cpu_features, cpu_int8_matmul
 
