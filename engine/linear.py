@@ -100,8 +100,9 @@ class UnloadedLinear(Linear):
 
     def __init__(self, out_features: int, in_features: int, *, bias: bool, dtype: torch.dtype,
                  device: torch.device) -> None:
-        tensor = torch.empty(out_features, dtype=dtype, device=device) if bias else None
-        super().__init__(out_features, in_features, None if tensor is None else nn.Parameter(tensor, False))
+        vector = torch.empty(out_features, dtype=dtype, device=device) if bias else None
+        super().__init__(out_features, in_features,
+                         None if vector is None else nn.Parameter(vector, requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("this projection's weight was never loaded (engine/models/linear_assembly.py installs it)")
