@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvpilot.engine.models.config import read_model_arch
 from kvpilot.engine.checkpoint import ModelLoadError, is_gguf_path
+from kvpilot.engine.models.config import read_model_arch
 from kvpilot.engine.models.linear_assembly import LinearAssembler
 from kvpilot.engine.models.llama import CausalLM
 from kvpilot.engine.models.weight_targets import linear_slots, weight_targets
