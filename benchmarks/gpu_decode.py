@@ -152,6 +152,8 @@ def main() -> int:
     from kvpilot.engine.cuda_graphs import DecodeCudaGraphs
     from kvpilot.engine.models import CausalLM
     from kvpilot.engine.models.config import parse_model_arch
+    from kvpilot.engine.models.linear_assembly import LinearAssembler
+    from kvpilot.engine.models.weight_targets import linear_slots
 
     if args.smoke:
         device, dtype, config, source = torch.device("cpu"), torch.float32, TINY, "tiny (random weights)"
@@ -168,12 +170,12 @@ def main() -> int:
     with torch.no_grad():
         model = CausalLM(arch, dtype, device)
         for param in model.parameters():
-            if param.dim() == 1:
-                param.fill_(1.0)  # norm weights
-            else:
-                param.normal_(0.0, 0.02)
+            param.fill_(1.0)  # norm weights (and biases)
+        assembler = LinearAssembler(linear_slots(model), dtype, device, source, keep_packed=False)
+        for module, slot in assembler.slots.items():  # dense matrices, made on the device
+            assembler.add(module, torch.empty(slot.shape, dtype=dtype, device=device).normal_(0.0, 0.02))
     elt = torch.tensor([], dtype=dtype).element_size()
-    embed_bytes = model.embed_tokens.numel() * elt
+    embed_bytes = model.embed_tokens.nbytes
     param_bytes = sum(p.numel() for p in model.parameters()) * elt
     # Untied: the embedding table is only gathered (batch rows); tied: it is also the LM head, read whole.
     weights_read = param_bytes - (0 if arch.tie_word_embeddings else embed_bytes)

@@ -17,7 +17,8 @@ kernels a model of that dtype runs (``--dtype``):
   - ``int8``: the same codes on kvpilot's int8-activation kernel, the head too.
 Every kernel holds 30 separate layers, as a model does, so a step streams its weights from memory
 (float32 513 MiB, bfloat16 257 MiB, packed about 90 MiB: more than the CPU's caches) rather than
-reusing one matrix from cache. The engine's own ``linear`` dispatches every call.
+reusing one matrix from cache. Every call goes through the engine's own linear methods
+(engine/linear.py).
 
 Rounds: each kernel times ``--steps`` steps in turn (the order rotates), ``--repeat`` rounds; every
 round is printed, then each kernel's median ms a step with min-max and the ratios of the medians.
@@ -36,7 +37,7 @@ import time
 
 import torch
 
-from kvpilot.engine.models.llama import linear
+from kvpilot.engine.linear import DenseLinear, Linear
 from kvpilot.engine.quantization.linear import QuantizedLinear
 from kvpilot.engine.quantization.packed import PackedWeight
 from kvpilot.kernels import cpu_features, cpu_int8_matmul
@@ -69,17 +70,14 @@ def random_packed(shape: tuple[int, int], bits: int, gen: torch.Generator) -> Pa
     return PackedWeight.from_codes(values, scales, offsets, bits=bits, group_size=GROUP_SIZE)
 
 
-def step_weights(kernel: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[object, int]]:
-    """The 121 weights of a step (the head last) as ``linear`` takes them for this kernel, each with
-    its input size."""
+def step_weights(kernel: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[Linear, int]]:
+    """The 121 linear layers of a step (the head last) for this kernel, each with its input size."""
     shapes = [*LAYER_SHAPES * NUM_LAYERS, HEAD_SHAPE]
     if kernel in ("dense-f32", "bf16"):
-        prepack = (kernel == "bf16" and torch.backends.mkldnn.is_available()
-                   and cpu_features.detect().onednn_bf16_prepack)
-        weights = [0.02 * torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
-        if prepack:  # as CausalLM.pack_weights_for_cpu does where oneDNN can
-            weights = [torch.ops.mkldnn._reorder_linear_weight(w, max(ROWS)) for w in weights]
-        return [(w, shape[1]) for w, shape in zip(weights, shapes, strict=True)]
+        layers = [DenseLinear(0.02 * torch.randn(shape, generator=gen).to(dtype), None) for shape in shapes]
+        for layer in layers:  # as CausalLM.pack_weights_for_cpu does (oneDNN's layout for bfloat16, where it can)
+            layer.pack_for_cpu(max(ROWS))
+        return [(layer, shape[1]) for layer, shape in zip(layers, shapes, strict=True)]
     expected = {"c-f32": ("kvpilot", "kvpilot"), "torch-int4": ("torch-int4", "kvpilot"),
                 "int8-f32": ("w4a8", "w8a8"), "int8": ("w4a8", "w8a8")}[kernel]  # (layers, head)
     weights = []
@@ -92,15 +90,15 @@ def step_weights(kernel: str, dtype: torch.dtype, gen: torch.Generator) -> list[
     return weights
 
 
-def time_steps(weights: list[tuple[object, int]], rows: int, steps: int, dtype: torch.dtype) -> float:
+def time_steps(weights: list[tuple[Linear, int]], rows: int, steps: int, dtype: torch.dtype) -> float:
     """ms a step: every weight once, on activations of its input size."""
     inputs = {k: torch.randn(rows, k).to(dtype) for _, k in weights}
-    for weight, k in weights[:4]:  # warm-up (allocator, thread pool)
-        linear(inputs[k], weight)
+    for layer, k in weights[:4]:  # warm-up (allocator, thread pool)
+        layer(inputs[k])
     start = time.perf_counter()
     for _ in range(steps):
-        for weight, k in weights:
-            linear(inputs[k], weight)
+        for layer, k in weights:
+            layer(inputs[k])
     return (time.perf_counter() - start) / steps * 1e3
 
 

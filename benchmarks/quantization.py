@@ -86,7 +86,7 @@ def awq_copy(folder: Path) -> Path:
     group_size = next(g for g in (128, 64, 32) if all(s % g == 0 for s in sizes))
     out = MODEL_CACHE / f"{folder.name}-awq-rtn-g{group_size}"
     if not (out / "config.json").exists():
-        from kvpilot.engine.quantization.writer import quantize_model
+        from kvpilot.engine.awq_writer import quantize_model
 
         tmp = out.with_name(out.name + ".tmp")
         quantize_model(folder, tmp, group_size=group_size)

@@ -1,5 +1,6 @@
 """Llama-family models (Llama 2/3, Mistral, Qwen2) loaded from local Hugging Face folders or GGUF files."""
 
+from kvpilot.engine.checkpoint import ModelLoadError, is_gguf_path
 from kvpilot.engine.models.config import (
     SUPPORTED_ARCHITECTURES,
     ModelArch,
@@ -7,8 +8,6 @@ from kvpilot.engine.models.config import (
     read_model_arch,
     saved_dtype,
 )
-from kvpilot.engine.models.errors import ModelLoadError
-from kvpilot.engine.models.gguf_file import is_gguf_path
 from kvpilot.engine.models.llama import CausalLM
 from kvpilot.engine.models.loader import SUPPORTED_DTYPES, load_model, load_tokenizer
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpilot.engine.models.errors import ModelLoadError
-from kvpilot.engine.models.gguf_file import GGUFFile, is_gguf_path
+from kvpilot.engine.checkpoint import ModelLoadError, is_gguf_path
+from kvpilot.engine.models.gguf_file import GGUFFile
 
 # HF `architectures` entry -> the family it belongs to.
 SUPPORTED_ARCHITECTURES = {

@@ -7,8 +7,8 @@ which tensors the file holds and their shapes.
 
 from __future__ import annotations
 
+from kvpilot.engine.checkpoint import ModelLoadError
 from kvpilot.engine.models.config import ModelArch, RopeScaling
-from kvpilot.engine.models.errors import ModelLoadError
 from kvpilot.engine.models.gguf_file import GGUFFile
 
 # general.architecture -> the Hugging Face class it corresponds to. llama.cpp writes Mistral

@@ -15,24 +15,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvpilot.engine.models.errors import ModelLoadError
+from kvpilot.engine.checkpoint import GGUF_MAGIC, ModelLoadError
 
-GGUF_MAGIC = b"GGUF"
 # The GGML tensor types kvpilot dequantizes (with the gguf package's dequantizers): the float
 # types, llama.cpp's legacy block quantizations, and the two k-quants of the common Q4_K_M files.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 _REPAIR_HINT = "re-download the file, or re-convert the model with llama.cpp's convert_hf_to_gguf.py"
-
-
-def is_gguf_path(path: str | Path) -> bool:
-    """Whether ``path`` names a GGUF file: a ``.gguf`` name, or any file starting with the GGUF magic."""
-    path = Path(path)
-    if path.suffix.lower() == ".gguf":
-        return True
-    if not path.is_file():
-        return False
-    with path.open("rb") as handle:
-        return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
 class GGUFFile:

@@ -15,8 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kvpilot.engine.checkpoint import ModelLoadError
 from kvpilot.engine.model_fetch import cache_root
-from kvpilot.engine.models.errors import ModelLoadError
 from kvpilot.engine.models.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)

@@ -1,9 +1,10 @@
-"""Fill a CausalLM from a GGUF file: dequantize tensor by tensor straight into the parameters.
+"""Fill a CausalLM from a GGUF file: dequantize tensor by tensor straight into the model.
 
 The file stays memory-mapped; each tensor is dequantized to float32 (the gguf package's
-dequantizers), put back in Hugging Face row order where llama.cpp reordered it, and copied into
-its slice of the model's fused parameters in the model's dtype. So at most one tensor exists
-twice at a time, never the whole model.
+dequantizers), put back in Hugging Face row order where llama.cpp reordered it, and handed over
+in the model's dtype: matrices to the assembler, which installs each projection once its parts
+are in (engine/models/linear_assembly.py), norms and biases into their slices of the model's
+parameters. So at most a layer's worth of tensors exists twice at a time, never the whole model.
 
 With ``keep_packed``, matrices stored as Q4_0, Q4_1 or Q8_0 are not dequantized: their blocks
 become PackedWeights (engine/quantization/gguf_packed.py) and the model multiplies with them
@@ -19,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvpilot.engine.models.errors import ModelLoadError
+from kvpilot.engine.checkpoint import ModelLoadError
 from kvpilot.engine.models.gguf_config import ROPE_INTERLEAVED_ARCHITECTURES, gguf_model_arch
 from kvpilot.engine.models.gguf_file import SUPPORTED_TENSOR_TYPES, GGUFFile, import_gguf
+from kvpilot.engine.models.linear_assembly import LinearAssembler
 from kvpilot.engine.models.llama import CausalLM, rope_inv_freq
 from kvpilot.engine.models.weight_targets import linear_slots, weight_targets
-from kvpilot.engine.quantization.assembly import LinearAssembler
 from kvpilot.engine.quantization.gguf_packed import gguf_to_packed, is_packable
 
 # GGUF tensor names (llama.cpp's) -> Hugging Face names, which weight_targets maps to our parameters.
@@ -56,9 +57,9 @@ def load_gguf_model(
     gguf_file = GGUFFile(path)
     arch = gguf_model_arch(gguf_file)
     device = torch.device(device)
-    model = CausalLM(arch, dtype, device, quantized=keep_packed)
+    model = CausalLM(arch, dtype, device)
     targets = weight_targets(model)
-    assembler = LinearAssembler(linear_slots(model), dtype, device, str(gguf_file.path)) if keep_packed else None
+    assembler = LinearAssembler(linear_slots(model), dtype, device, str(gguf_file.path), keep_packed=keep_packed)
     unpermute = arch.model_type in ROPE_INTERLEAVED_ARCHITECTURES
     filled: set[str] = set()
     for name, tensor in gguf_file.tensors.items():
@@ -67,8 +68,10 @@ def load_gguf_model(
             continue
         hf_name = hf_tensor_name(name)
         module = hf_name.removesuffix(".weight") if hf_name is not None else None
-        if assembler is not None and module in assembler.slots:
-            assembler.add(module, _matrix(gguf_file, tensor, hf_name, arch, unpermute))
+        if module in assembler.slots:
+            shape = tuple(int(d) for d in reversed(tensor.shape))  # [rows, cols]: GGML lists the innermost first
+            _check_shape(gguf_file, name, shape, assembler.slots[module].shape)
+            assembler.add(module, _matrix(gguf_file, tensor, hf_name, arch, unpermute, keep_packed))
             continue
         target = targets.get(hf_name) if hf_name is not None else None
         if target is None:
@@ -78,39 +81,44 @@ def load_gguf_model(
             )
         param, rows = target
         destination = param.data[rows]
-        values = dequantize(gguf_file, tensor)  # [rows, cols] float32 (a vector for norms and biases)
-        if values.shape != tuple(destination.shape):
-            raise ModelLoadError(
-                f"{gguf_file.path}: tensor {name!r} has shape {values.shape} but the metadata implies "
-                f"{tuple(destination.shape)}; the tensors do not belong to this metadata"
-            )
-        if unpermute and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        values = dequantize(gguf_file, tensor)  # a float32 vector: a norm or a bias
+        _check_shape(gguf_file, name, values.shape, tuple(destination.shape))
+        if unpermute and hf_name.endswith("q_proj.bias"):
             values = undo_rope_row_permutation(values, arch.num_heads)
-        elif unpermute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif unpermute and hf_name.endswith("k_proj.bias"):
             values = undo_rope_row_permutation(values, arch.num_kv_heads)
         with warnings.catch_warnings():
             # F32 tensors come back as read-only views of the memory map; they are only read here.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             destination.copy_(torch.from_numpy(values))
         filled.add(hf_name)
-    missing = sorted(set(targets) - filled) + ([] if assembler is None else assembler.missing())
+    missing = sorted(set(targets) - filled) + assembler.missing()
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(
             f"{gguf_file.path}: the file lacks tensors the model needs (Hugging Face names): {shown}"
         )
-    if assembler is not None:
+    if keep_packed:
         assembler.log_summary()
     return model.eval()
 
 
-def _matrix(gguf_file: GGUFFile, tensor, hf_name: str, arch, unpermute: bool):  # noqa: ANN001, ANN202
-    """A matrix tensor as a PackedWeight when its type stays packed, else dequantized (float32 torch),
-    with q/k rows put back in Hugging Face order either way."""
+def _check_shape(gguf_file: GGUFFile, name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if shape != expected:
+        raise ModelLoadError(
+            f"{gguf_file.path}: tensor {name!r} has shape {shape} but the metadata implies "
+            f"{expected}; the tensors do not belong to this metadata"
+        )
+
+
+def _matrix(gguf_file: GGUFFile, tensor, hf_name: str, arch, unpermute: bool,  # noqa: ANN001
+            keep_packed: bool):  # noqa: ANN202
+    """A matrix tensor as a PackedWeight when ``keep_packed`` and its type stays packed, else
+    dequantized (float32 torch), with q/k rows put back in Hugging Face order either way."""
     shape = tuple(int(d) for d in reversed(tensor.shape))  # [rows, cols]: GGML lists the innermost first
     heads = {"q_proj.weight": arch.num_heads, "k_proj.weight": arch.num_kv_heads}
     num_heads = next((n for suffix, n in heads.items() if hf_name.endswith(suffix)), None) if unpermute else None
-    if is_packable(tensor.tensor_type.name, shape):
+    if keep_packed and is_packable(tensor.tensor_type.name, shape):
         packed = gguf_to_packed(tensor.tensor_type.name, tensor.data, shape)
         if num_heads is None:
             return packed

@@ -15,12 +15,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvpilot.engine.checkpoint import ModelLoadError, is_gguf_path
 from kvpilot.engine.models.config import read_model_arch
-from kvpilot.engine.models.errors import ModelLoadError
-from kvpilot.engine.models.gguf_file import is_gguf_path
+from kvpilot.engine.models.linear_assembly import LinearAssembler
 from kvpilot.engine.models.llama import CausalLM
 from kvpilot.engine.models.weight_targets import linear_slots, weight_targets
-from kvpilot.engine.quantization.assembly import LinearAssembler
 from kvpilot.engine.quantization.awq import TENSOR_SUFFIXES as AWQ_SUFFIXES
 from kvpilot.engine.quantization.awq import awq_to_packed
 from kvpilot.engine.quantization.method import read_awq_config, resolve_quantization
@@ -48,9 +47,9 @@ def load_model(
     arch = read_model_arch(model_dir)
     awq = read_awq_config(model_dir)
     device = torch.device(device)
-    model = CausalLM(arch, dtype, device, quantized=method == "awq")
+    model = CausalLM(arch, dtype, device)
     targets = weight_targets(model)
-    assembler = LinearAssembler(linear_slots(model), dtype, device, str(model_dir)) if method == "awq" else None
+    assembler = LinearAssembler(linear_slots(model), dtype, device, str(model_dir), keep_packed=method == "awq")
     awq_parts: dict[str, dict[str, torch.Tensor]] = {}  # module -> its AWQ tensors read so far
     filled: set[str] = set()
     with ExitStack() as stack:
@@ -61,11 +60,15 @@ def load_model(
                 parts[suffix] = handle.get_tensor(hf_name)
                 if len(parts) == len(AWQ_SUFFIXES):
                     del awq_parts[module]
-                    _load_awq_module(module, parts, awq.group_size, assembler, targets, dtype)
-                    filled.add(f"{module}.weight")
+                    if module not in assembler.slots:
+                        raise ModelLoadError(f"AWQ layer {module!r} has no place in this model")
+                    assembler.add(module, awq_to_packed(module, **parts, group_size=awq.group_size,
+                                                        shape=assembler.slots[module].shape))  # fmt: skip
                 continue
-            if assembler is not None and suffix == "weight" and module in assembler.slots:
-                assembler.add(module, handle.get_tensor(hf_name))  # a layer AWQ left unquantized
+            if suffix == "weight" and module in assembler.slots:
+                tensor = handle.get_tensor(hf_name)  # a dense matrix (or a layer AWQ left unquantized)
+                _check_shape(hf_name, tensor, assembler.slots[module].shape, model_dir)
+                assembler.add(module, tensor)
                 continue
             target = targets.get(hf_name)
             if target is None:
@@ -73,44 +76,28 @@ def load_model(
             param, rows = target
             destination = param.data[rows]
             tensor = handle.get_tensor(hf_name)
-            if tensor.shape != destination.shape:
-                raise ModelLoadError(
-                    f"weight {hf_name!r} in {model_dir} has shape {tuple(tensor.shape)} but config.json implies "
-                    f"{tuple(destination.shape)}; the weights do not belong to this config"
-                )
+            _check_shape(hf_name, tensor, tuple(destination.shape), model_dir)
             destination.copy_(tensor)
             filled.add(hf_name)
     if awq_parts:
         module, parts = next(iter(awq_parts.items()))
         absent = ", ".join(f"{module}.{s}" for s in AWQ_SUFFIXES if s not in parts)
         raise ModelLoadError(f"AWQ tensors missing from the safetensors in {model_dir}: {absent}")
-    missing = sorted(set(targets) - filled) + ([] if assembler is None else assembler.missing())
+    missing = sorted(set(targets) - filled) + assembler.missing()
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"weights missing from the safetensors in {model_dir}: {shown}")
-    if assembler is not None:
+    if method == "awq":
         assembler.log_summary()
     return model.eval()
 
 
-def _load_awq_module(
-    module: str, parts: dict[str, torch.Tensor], group_size: int, assembler: LinearAssembler | None,
-    targets: dict[str, tuple[torch.nn.Parameter, slice]], dtype: torch.dtype,
-) -> None:
-    """One AWQ linear layer: kept packed (assembler) or dequantized into its dense target."""
-    if assembler is not None:
-        if module not in assembler.slots:
-            raise ModelLoadError(f"AWQ layer {module!r} has no place in this model")
-        assembler.add(module, awq_to_packed(module, **parts, group_size=group_size,
-                                            shape=assembler.slots[module].shape))  # fmt: skip
-        return
-    target = targets.get(f"{module}.weight")
-    if target is None:
-        raise ModelLoadError(f"AWQ layer {module!r} has no place in this model")
-    param, rows = target
-    destination = param.data[rows]
-    packed = awq_to_packed(module, **parts, group_size=group_size, shape=tuple(destination.shape))
-    destination.copy_(packed.dequantize(dtype))
+def _check_shape(hf_name: str, tensor: torch.Tensor, expected: tuple[int, ...], model_dir: Path) -> None:
+    if tuple(tensor.shape) != expected:
+        raise ModelLoadError(
+            f"weight {hf_name!r} in {model_dir} has shape {tuple(tensor.shape)} but config.json implies "
+            f"{expected}; the weights do not belong to this config"
+        )
 
 
 def load_tokenizer(model_path: str | Path):

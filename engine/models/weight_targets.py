@@ -1,10 +1,10 @@
-"""Where each Hugging Face tensor goes in CausalLM's fused parameters (shared by both loaders).
+"""Where each Hugging Face tensor goes in CausalLM (shared by both loaders).
 
-CausalLM keeps q/k/v in one matrix and gate/up in another; a checkpoint stores them apart. The
-map below says, for every tensor name a Llama-family checkpoint uses, which parameter and which
-rows of it the tensor fills. A model built with ``quantized=True`` leaves its matrices empty
-(None) instead: ``linear_slots`` says which checkpoint modules make up each of them, and the
-loader installs each one whole (packed or dense) once all its parts are read.
+CausalLM keeps q/k/v in one matrix and gate/up in another; a checkpoint stores them apart.
+``linear_slots`` says, for every matrix module a Llama-family checkpoint has, which projection of
+the model it is part of and which part; the loader installs each projection whole (packed or
+dense, engine/models/linear_assembly.py) once all its parts are read. ``weight_targets`` maps every
+other tensor (norms, biases) to the parameter, and the rows of it, that the tensor fills.
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ class LinearSlot:
 
 
 def linear_slots(model: CausalLM) -> dict[str, LinearSlot]:
-    """HF module name (``model.layers.0.self_attn.q_proj``) -> its slot, for every matrix left empty."""
+    """HF module name (``model.layers.0.self_attn.q_proj``) -> its slot, for every matrix of the model."""
     arch: ModelArch = model.arch
     hidden, inter = arch.hidden_size, arch.intermediate_size
-    slots: dict[str, LinearSlot] = {}
-    if model.embed_tokens is None:
-        slots["model.embed_tokens"] = LinearSlot(model, "embed_tokens", 0, 1, (arch.vocab_size, hidden))
-    if not arch.tie_word_embeddings and model.lm_head is None:
+    slots = {"model.embed_tokens": LinearSlot(model, "embed_tokens", 0, 1, (arch.vocab_size, hidden))}
+    if not arch.tie_word_embeddings:
         slots["lm_head"] = LinearSlot(model, "lm_head", 0, 1, (arch.vocab_size, hidden))
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
@@ -52,44 +50,31 @@ def linear_slots(model: CausalLM) -> dict[str, LinearSlot]:
             "mlp.down_proj": ("down_proj", 0, 1, (hidden, inter)),
         }
         for module, (attribute, part, num_parts, shape) in parts.items():
-            if getattr(layer, attribute) is None:
-                slots[f"model.layers.{i}.{module}"] = LinearSlot(layer, attribute, part, num_parts, shape)
+            slots[f"model.layers.{i}.{module}"] = LinearSlot(layer, attribute, part, num_parts, shape)
     return slots
 
 
 def weight_targets(model: CausalLM) -> dict[str, tuple[torch.nn.Parameter, slice]]:
-    """HF tensor name -> (our parameter, the rows of it that tensor fills), for every dense parameter."""
+    """HF tensor name -> (our parameter, the rows of it that tensor fills), for every tensor that is
+    not a matrix: norms and biases (a bias belongs to its projection, whichever kind is installed)."""
     arch: ModelArch = model.arch
     everything = slice(None)
     targets: dict[str, tuple[torch.nn.Parameter, slice]] = {"model.norm.weight": (model.norm, everything)}
-    if isinstance(model.embed_tokens, nn.Parameter):
-        targets["model.embed_tokens.weight"] = (model.embed_tokens, everything)
-    if isinstance(model.lm_head, nn.Parameter):
-        targets["lm_head.weight"] = (model.lm_head, everything)
     inter = arch.intermediate_size
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         p = f"model.layers.{i}."
         q, kv = layer.q_size, layer.kv_size
-        qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
-        for name, rows in qkv_rows.items():
-            if layer.qkv_proj is not None:
-                targets[f"{p}self_attn.{name}.weight"] = (layer.qkv_proj, rows)
-            if layer.qkv_bias is not None:
-                targets[f"{p}self_attn.{name}.bias"] = (layer.qkv_bias, rows)
-        if layer.o_proj is not None:
-            targets[f"{p}self_attn.o_proj.weight"] = (layer.o_proj, everything)
-        if layer.gate_up_proj is not None:
-            targets[f"{p}mlp.gate_proj.weight"] = (layer.gate_up_proj, slice(0, inter))
-            targets[f"{p}mlp.up_proj.weight"] = (layer.gate_up_proj, slice(inter, 2 * inter))
-        if layer.down_proj is not None:
-            targets[f"{p}mlp.down_proj.weight"] = (layer.down_proj, everything)
         targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm, everything)
         targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm, everything)
-        if layer.o_bias is not None:
-            targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, everything)
-        if layer.gate_up_bias is not None and layer.down_bias is not None:
-            targets[f"{p}mlp.gate_proj.bias"] = (layer.gate_up_bias, slice(0, inter))
-            targets[f"{p}mlp.up_proj.bias"] = (layer.gate_up_bias, slice(inter, 2 * inter))
-            targets[f"{p}mlp.down_proj.bias"] = (layer.down_bias, everything)
+        if layer.qkv_proj.bias is not None:
+            qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+            for name, rows in qkv_rows.items():
+                targets[f"{p}self_attn.{name}.bias"] = (layer.qkv_proj.bias, rows)
+        if layer.o_proj.bias is not None:
+            targets[f"{p}self_attn.o_proj.bias"] = (layer.o_proj.bias, everything)
+        if layer.gate_up_proj.bias is not None and layer.down_proj.bias is not None:
+            targets[f"{p}mlp.gate_proj.bias"] = (layer.gate_up_proj.bias, slice(0, inter))
+            targets[f"{p}mlp.up_proj.bias"] = (layer.gate_up_proj.bias, slice(inter, 2 * inter))
+            targets[f"{p}mlp.down_proj.bias"] = (layer.down_proj.bias, everything)
     return targets

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.engine.models.errors import ModelLoadError
+from kvpilot.engine.checkpoint import ModelLoadError
 from kvpilot.engine.quantization.packed import PackedWeight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

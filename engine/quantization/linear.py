@@ -1,12 +1,14 @@
-"""A linear layer whose weight stays packed (4- or 8-bit codes), multiplied without a dense copy.
+"""The packed linear method (engine/linear.py): a weight kept as 4- or 8-bit codes, multiplied
+without a dense copy.
 
 The route is chosen per call from where the activations are: the Triton dequantize-in-GEMM kernel
 on CUDA (kvpilot.kernels.quant_matmul), the C kernel on the CPU (kvpilot.kernels.cpu_quant_matmul);
 where neither runs (a CPU without a C compiler), the reference dequantizes and multiplies.
-``repack_for_cpu`` (called by CausalLM.pack_weights_for_cpu) moves a weight into the layout of a
-faster CPU kernel: kvpilot's int8-activation kernel (kvpilot.kernels.cpu_int8_matmul, AVX-512 VNNI
-or AVX2; float32 and bfloat16 models) where it builds, else, for 4 bits in bfloat16, torch's own
-int4 kernel (``aten._weight_int4pack_mm_for_cpu``), which blocks registers across output features.
+``repack_for_cpu`` (``pack_for_cpu``, called by CausalLM.pack_weights_for_cpu) moves a weight into
+the layout of a faster CPU kernel: kvpilot's int8-activation kernel (kvpilot.kernels.cpu_int8_matmul,
+AVX-512 VNNI or AVX2; float32 and bfloat16 models) where it builds, else, for 4 bits in bfloat16,
+torch's own int4 kernel (``aten._weight_int4pack_mm_for_cpu``), which blocks registers across
+output features.
 A packed token embedding is a QuantizedLinear too: ``embedding`` dequantizes just the rows looked up.
 """
 
@@ -17,17 +19,18 @@ import functools
 import torch
 from torch import nn
 
+from kvpilot.engine.linear import Linear
 from kvpilot.engine.quantization.packed import PackedWeight
 from kvpilot.kernels import cpu_int8_matmul, cpu_quant_matmul
 from kvpilot.kernels.quant_layout import quant_matmul_reference, unpack_codes
 
 
-class QuantizedLinear(nn.Module):
-    def __init__(self, packed: PackedWeight, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
+class QuantizedLinear(Linear):
+    def __init__(self, packed: PackedWeight, dtype: torch.dtype, device: torch.device,
+                 bias: nn.Parameter | None = None) -> None:
+        super().__init__(*packed.shape, bias)
         self.bits = packed.bits
         self.group_size = packed.group_size
-        self.out_features, self.in_features = packed.shape
         self.dtype = dtype  # of activations and outputs (the model's dtype)
         packed = packed.to(device)
         self.register_buffer("codes", packed.codes)
@@ -52,6 +55,9 @@ class QuantizedLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def pack_for_cpu(self, batch_size_hint: int, *, embedding: bool = False) -> bool:
+        return self.repack_for_cpu(embedding=embedding) != "kvpilot"
 
     def repack_for_cpu(self, *, embedding: bool = False) -> str:
         """Hold a CPU weight in the layout of the fastest CPU kernel that runs here for the layer's
@@ -93,7 +99,12 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
         if self.layout != "kvpilot" and x.dim() == 2 and x.dtype == self.dtype and x.is_contiguous():
-            return self._cpu_matmul(x)  # a decode step's ~120 calls: nothing else on the way
+            out = self._cpu_matmul(x)  # a decode step's ~120 calls: nothing else on the way
+        else:
+            out = self._matmul(x)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # any shape, dtype and device
         flat = x.reshape(-1, self.in_features)
         if self.layout != "kvpilot":  # repacked for a CPU kernel, which takes the layer's dtype
             out = self._cpu_matmul(flat.to(self.dtype).contiguous())

@@ -16,9 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpilot.engine.checkpoint import ModelLoadError, is_gguf_path
 from kvpilot.engine.config import QUANTIZATION_METHODS, ConfigError
-from kvpilot.engine.models.errors import ModelLoadError
-from kvpilot.engine.models.gguf_file import is_gguf_path
 
 AWQ_GROUP_SIZES = (32, 64, 128, 256)
 

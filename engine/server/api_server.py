@@ -138,9 +138,9 @@ def _model_info(engine: Any) -> dict[str, str]:
 
 def weight_layouts(model: Any) -> str:
     """The layouts of a model's packed weights, e.g. "w4a8,w8a8"; "dense" when none is packed."""
-    from kvpilot.engine.quantization.linear import QuantizedLinear
+    from kvpilot.engine.linear import Linear
 
-    layouts = sorted({m.layout for m in model.modules() if isinstance(m, QuantizedLinear)})
+    layouts = sorted({m.layout for m in model.modules() if isinstance(m, Linear)} - {"dense"})
     return ",".join(layouts) or "dense"
 
 

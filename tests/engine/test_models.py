@@ -14,7 +14,6 @@ from kvpilot.engine.models import ModelLoadError, load_model, load_tokenizer, re
 from kvpilot.kernels import cpu_features
 
 BLOCK_SIZE = 4
-DENSE_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 NUM_BLOCKS = 64
 
 
@@ -135,7 +134,7 @@ def test_half_precision_model_tracks_float32(dtype, tiny_model_dir):
     prompt = list(range(5, 25))
     model32 = load_model(tiny_model_dir, torch.float32, "cpu")
     model16 = load_model(tiny_model_dir, dtype, "cpu")
-    assert model16.embed_tokens.dtype == dtype
+    assert model16.embed_tokens.weight.dtype == dtype
     logits32 = PagedBatch(model32, 1).step(model32, [prompt])
     logits16 = PagedBatch(model16, 1).step(model16, [prompt])
     assert logits16.dtype == torch.float32
@@ -152,7 +151,7 @@ def test_prepacked_cpu_weights_give_the_same_logits(arch, tiny_model_dirs):
     if not (torch.backends.mkldnn.is_available() and cpu_features.detect().onednn_bf16_prepack):
         pytest.skip(f"oneDNN cannot reorder bfloat16 weights here (CPU: {cpu_features.detect().summary()})")
     assert packed.pack_weights_for_cpu(batch_size_hint=8)
-    assert all(getattr(layer, name).is_mkldnn for layer in packed.layers for name in DENSE_MATRICES)
+    assert all(projection.onednn_weight is not None for layer in packed.layers for projection in layer.projections())
     assert not load_model(tiny_model_dirs[arch], torch.float32, "cpu").pack_weights_for_cpu(batch_size_hint=8)
     expected = PagedBatch(plain, 1).step(plain, [prompt])
     got = PagedBatch(packed, 1).step(packed, [prompt])
@@ -169,8 +168,8 @@ def test_a_cpu_without_avx512_keeps_dense_bfloat16_weights_unpacked(arch, tiny_m
     plain = load_model(tiny_model_dirs[arch], torch.bfloat16, "cpu")
     model = load_model(tiny_model_dirs[arch], torch.bfloat16, "cpu")
     assert not model.pack_weights_for_cpu(batch_size_hint=8)
-    assert not any(getattr(layer, name).is_mkldnn for layer in model.layers for name in DENSE_MATRICES)
-    assert model.lm_head is None or not model.lm_head.is_mkldnn
+    assert not any(projection.onednn_weight is not None for layer in model.layers for projection in layer.projections())
+    assert (model.lm_head or model.embed_tokens).onednn_weight is None
     torch.testing.assert_close(PagedBatch(model, 1).step(model, [prompt]), PagedBatch(plain, 1).step(plain, [prompt]))
 
 def test_arch_fields(tiny_model_dirs):

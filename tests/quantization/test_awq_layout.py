@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine.models.errors import ModelLoadError
+from kvpilot.engine.checkpoint import ModelLoadError
 from kvpilot.engine.quantization.awq import awq_to_packed, pack_int4, quantize_rtn, unpack_int4
 
 

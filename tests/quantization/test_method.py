@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from kvpilot.engine.config import ConfigError, EngineConfig
-from kvpilot.engine.models.errors import ModelLoadError
+from kvpilot.engine.checkpoint import ModelLoadError
 from kvpilot.engine.quantization.method import checkpoint_quantization, read_awq_config, resolve_quantization
 from kvpilot.engine.server.args import engine_overrides, resolve_serve_args
 

@@ -12,10 +12,11 @@ import torch
 
 from kvpilot.cli import main as kvpilot_main
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.awq_writer import quantize_model
 from kvpilot.engine.config import ConfigError
+from kvpilot.engine.linear import DenseLinear
 from kvpilot.engine.models import ModelLoadError, load_model
 from kvpilot.engine.quantization.linear import QuantizedLinear
-from kvpilot.engine.quantization.writer import quantize_model
 from kvpilot.engine.scoring import EVAL_PASSAGE, perplexity, sequence_logits
 from kvpilot.kernels import cpu_features, cpu_int8_matmul
 
@@ -60,7 +61,7 @@ def test_awq_model_keeps_every_linear_packed_in_under_a_third_of_bfloat16(awq_di
             dense_bf16_bytes += linear.out_features * linear.in_features * 2
             assert not any(p.is_floating_point() and p.shape == (linear.out_features, linear.in_features)
                            for p in layer.parameters())  # no dense copy kept beside the codes
-    assert isinstance(model.embed_tokens, torch.nn.Parameter)  # AWQ leaves embeddings unquantized
+    assert isinstance(model.embed_tokens, DenseLinear)  # AWQ leaves embeddings unquantized
     # 4-bit codes plus a float16 scale and offset per 32 inputs: 5 bits a weight, 0.3125 of bfloat16's 16.
     assert packed_bytes / dense_bf16_bytes == pytest.approx(5 / 16)
 
@@ -71,7 +72,7 @@ def test_packed_and_dequantized_weights_give_the_same_logits_and_greedy_tokens(a
     monkeypatch.setattr(cpu_int8_matmul, "load_kernel", lambda bits, group_size: None)
     packed = load_model(awq_dir, torch.float32, "cpu", quantization="awq")
     dense = load_model(awq_dir, torch.float32, "cpu", quantization="none")
-    assert isinstance(dense.layers[0].qkv_proj, torch.nn.Parameter)
+    assert isinstance(dense.layers[0].qkv_proj, DenseLinear)
     for tokens in PROMPTS:
         torch.testing.assert_close(sequence_logits(packed, tokens), sequence_logits(dense, tokens), atol=1e-4, rtol=1e-4)
 

@@ -6,6 +6,9 @@ none of AWQ's activation-aware scale search, so quality is RTN's, a little below
 checkpoint's. Embeddings, the LM head, norms and biases are copied unchanged, as AWQ does.
 config.json gains the ``quantization_config`` that transformers and vLLM read; tokenizer and other
 files are copied.
+
+It reads checkpoints with the model loader's helpers and writes the quantized formats, so it sits
+above both engine/models/ and engine/quantization/.
 """
 
 from __future__ import annotations
@@ -17,9 +20,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpilot.engine.checkpoint import ModelLoadError, is_gguf_path
 from kvpilot.engine.models.config import read_model_arch
-from kvpilot.engine.models.errors import ModelLoadError
-from kvpilot.engine.models.gguf_file import is_gguf_path
 from kvpilot.engine.models.loader import open_weights
 from kvpilot.engine.quantization.awq import quantize_rtn
 from kvpilot.engine.quantization.method import AWQ_GROUP_SIZES, AWQConfig, read_awq_config
