@@ -116,8 +116,8 @@ def _register_quantize(subparsers: argparse._SubParsersAction) -> None:
     def run(args: argparse.Namespace) -> int:
         import sys
 
-        from kvpilot.engine.checkpoint import ModelLoadError
         from kvpilot.engine.awq_writer import quantize_model
+        from kvpilot.engine.checkpoint import ModelLoadError
 
         try:
             result = quantize_model(args.model_dir, args.out_dir, group_size=args.group_size)
