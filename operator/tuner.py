@@ -316,7 +316,7 @@ def tune(
     # cost is concave in the batch), and until two batch sizes are fitted its slope is a prior: before
     # the SLO is called out of reach, or a prior sends the batch down, the windows say whether a
     # smaller setting can meet it.
-    probe = refuted = None
+    probe, refuted = None, False
     prior_down = not prediction.cost.slope_measured and best is not None and best < m
     if sample.itl_p99 > slo_itl and (decode_best is None or prior_down):
         probe = _probe_below(history.samples, m, slo_itl, target, seq_bounds.min, config)
