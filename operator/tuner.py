@@ -43,6 +43,7 @@ and never again up to a fraction that ran out of memory.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, replace
 
 from kvpilot.operator import step_cost
@@ -463,11 +464,11 @@ def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, config: T
         own_level = step_cost.level(sample.cost_sums, cost) if sample.cost_sums else None
     prefill_mean = cost.seconds(sample.batch, sample.prefill_chunk) * (own_level or 1.0)
     budget = sample.max_num_batched_tokens
-    tails = sorted(s.decode_tail for s in recent[-config.correction_windows:] if s.cost_sums)
+    tails = [s.decode_tail for s in recent[-config.correction_windows:] if s.cost_sums]
     own = Prediction(
         cost=cost,
         level=own_level or 1.0,
-        decode_tail=tails[(len(tails) - 1) // 2] if tails else 1.0,  # the (lower) median of recent windows: a P99 is noisy
+        decode_tail=statistics.median_low(tails) if tails else 1.0,  # of recent windows: a P99 is noisy, one spike is not its tail
         prefill_share=sample.prefill_share,
         prefill_chunk=sample.prefill_chunk,
         chunks_fill_budget=budget is not None and sample.prefill_chunk >= 0.8 * max(budget - sample.batch, 1.0),
@@ -550,7 +551,7 @@ def _probe_below(samples: tuple[Sample, ...], m: int, slo: float, target: float,
     by_setting: dict[int, list[Sample]] = {}
     for s in samples[-config.bracket_windows:]:
         by_setting.setdefault(s.max_num_seqs, []).append(s)
-    points = sorted((sum(s.batch for s in group) / len(group), _median([s.itl_p99 for s in group]), setting)
+    points = sorted((sum(s.batch for s in group) / len(group), statistics.median_high(s.itl_p99 for s in group), setting)
                     for setting, group in by_setting.items())
     (b1, y1, lowest), rest = points[0], points[1:]
     floor = max(math.floor(m * config.max_backoff), low)
@@ -568,11 +569,6 @@ def _probe_below(samples: tuple[Sample, ...], m: int, slo: float, target: float,
     text = (f"the ITL P99 fell as batch^{power:.2f} from {b2:.0f} to {b1:.0f} ({y2 * 1e3:.0f} → {y1 * 1e3:.0f} ms), "
             f"which would meet it near {aim}")
     return min(max(aim, floor), lowest - 1), text
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 def _largest(meets, low: int, high: int) -> int | None:
