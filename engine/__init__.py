@@ -19,6 +19,7 @@ _LAZY_EXPORTS = {
     "RequestOutput": "kvpilot.engine.outputs",
     "CompletionOutput": "kvpilot.engine.outputs",
     "InvalidRequestError": "kvpilot.engine.request",
+    "LoRARequest": "kvpilot.engine.lora.adapter",
 }
 
 __all__ = sorted(_LAZY_EXPORTS)

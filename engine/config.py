@@ -53,6 +53,10 @@ class EngineConfig:
     enforce_eager: bool = False  # True disables CUDA graphs
     quantization: str = "auto"  # one of QUANTIZATION_METHODS (docs/quantization.md)
     speculative_config: SpeculativeConfig | None = None  # None: one token per sequence per step
+    # LoRA adapters (engine/lora/): how many sit in the model at once, and the largest rank one may have.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -80,7 +84,9 @@ class EngineConfig:
         if self.cpu_memory_limit is not None:
             _check_int("cpu_memory_limit", self.cpu_memory_limit, minimum=1)
         _check_int("seed", self.seed, minimum=0)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        _check_int("max_loras", self.max_loras, minimum=1)
+        _check_int("max_lora_rank", self.max_lora_rank, minimum=1)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

@@ -184,7 +184,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         size = self.block_size
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else request.lora_int_id
         for i in range(len(hashes), num_tokens // size):
             parent = hash((parent, tuple(tokens[i * size : (i + 1) * size])))
             hashes.append(parent)

@@ -17,11 +17,16 @@ LM head multiplies with the same table.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.kernels import cpu_features
+
+if TYPE_CHECKING:
+    from kvpilot.engine.lora.layer import LoRAMapping
 
 
 class Linear(nn.Module):
@@ -37,9 +42,10 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.bias = bias  # [out_features] in the model's dtype, or None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         # Straight to forward, past nn.Module's hook machinery: a decode step makes ~120 of these
-        # calls, and nothing sets hooks on them.
+        # calls, and nothing sets hooks on them. ``lora``: which rows run with which adapter, read
+        # by the LoRA wrapper (engine/lora/layer.py) and by nothing else.
         return self.forward(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.lora.adapter import LoRARequest
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.request import InvalidRequestError
 from kvpilot.engine.sampling_params import SamplingParams
@@ -44,6 +45,9 @@ class LLM:
         enforce_eager: bool = False,
         quantization: str = "auto",
         speculative_config: dict[str, Any] | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -63,6 +67,9 @@ class LLM:
             enforce_eager=enforce_eager,
             quantization=quantization,
             speculative_config=SpeculativeConfig.from_dict(speculative_config),
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
         self.llm_engine = LLMEngine.from_config(config)
         self._request_counter = itertools.count()
@@ -75,11 +82,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         ``prompts``: a string, a list of token ids, or a list of either.
         ``sampling_params``: one for all prompts or one per prompt (default: SamplingParams()).
+        ``lora_request``: the LoRA adapter for all prompts, or one (or None) per prompt (needs enable_lora).
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -93,18 +102,26 @@ class LLM:
                     f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts; "
                     "pass one SamplingParams, or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise InvalidRequestError(
+                    f"lora_request: got {len(lora_list)} for {len(prompt_list)} prompts; pass one, or one per prompt"
+                )
         engine = self.llm_engine
         tokenizer = engine.tokenizer
         request_ids = []
         try:
-            for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            for index, (prompt, params, lora) in enumerate(zip(prompt_list, params_list, lora_list)):
                 if isinstance(prompt, str):
                     text, token_ids = prompt, tokenizer(prompt).input_ids
                 else:
                     text, token_ids = None, list(prompt)
                 request_id = str(next(self._request_counter))
                 try:
-                    engine.add_request(request_id, token_ids, params, prompt=text)
+                    engine.add_request(request_id, token_ids, params, prompt=text, lora_request=lora)
                 except InvalidRequestError as exc:
                     raise InvalidRequestError(f"prompt {index}: {exc}") from exc
                 request_ids.append(request_id)
@@ -121,6 +138,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a list
         of them, rendered with the model's chat template (or ``chat_template``, a Jinja template) and
@@ -136,7 +154,7 @@ class LLM:
             raise InvalidRequestError(f"messages: the chat template cannot render them: {exc}") from None
         # The rendered template already holds the BOS text, if the model uses one.
         outputs = self.generate([tokenizer.encode(text, add_special_tokens=False) for text in texts],
-                                sampling_params, use_tqdm)
+                                sampling_params, use_tqdm, lora_request)
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs

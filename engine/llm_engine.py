@@ -23,6 +23,8 @@ from kvpilot.engine.attention import get_attention_backend
 from kvpilot.engine.config import EngineConfig, ResolvedConfig
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.kv_cache_manager import KVCacheManager
+from kvpilot.engine.lora.adapter import LoRAAdapter, LoRARequest
+from kvpilot.engine.lora.manager import LoRAManager
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.models import CausalLM, ModelArch
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -125,6 +127,7 @@ class LLMEngine:
             max_num_batched_tokens=resolved.max_num_batched_tokens,
             max_model_len=resolved.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            lora=runner.lora,
         )
         self.speculator = self._build_speculator(draft_model)
         self.grammars = GrammarCompiler(tokenizer, arch.vocab_size)
@@ -184,8 +187,12 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         prompt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
+        """``lora_request``: the adapter the request runs with (read from its folder the first time
+        its name is seen); None for the base model."""
         self._validate(request_id, prompt_token_ids, params)
+        adapter = None if lora_request is None else self._lora_manager("lora_request").add(lora_request)
         constraint = params.structured_outputs
         matchers = self.grammars.matchers(constraint, params.n) if constraint is not None else [None] * params.n
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -205,7 +212,7 @@ class LLMEngine:
                 seed = (params.seed + index) & 0xFFFF_FFFF_FFFF_FFFF
                 generator = torch.Generator(device=self._device).manual_seed(seed)
             sequence_id = f"{request_id}#{index}@{next(self._sequence_ids)}"
-            request = Request(sequence_id, prompt_token_ids, params, arrival)
+            request = Request(sequence_id, prompt_token_ids, params, arrival, lora=adapter)
             request.sampling_input = SamplingInput(
                 params=params,
                 prompt_token_ids=request.prompt_token_ids,
@@ -242,6 +249,24 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    # ----------------------------------------------------------------- LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter so requests can name it; raises LoRAError naming what is wrong."""
+        return self._lora_manager("add_lora").add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> LoRAAdapter:
+        """Forget an adapter: new requests cannot name it, running ones finish with it."""
+        return self._lora_manager("remove_lora").remove(lora_name)
+
+    def list_loras(self) -> list[LoRAAdapter]:
+        return [] if self.runner.lora is None else self.runner.lora.adapters
+
+    def _lora_manager(self, what: str) -> LoRAManager:
+        if self.runner.lora is None:
+            raise InvalidRequestError(f"{what}: LoRA adapters are off; start the engine with enable_lora=True (--enable-lora)")
+        return self.runner.lora
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)

@@ -1,4 +1,5 @@
-"""Write random Llama-family model folders in Hugging Face format: tests, benchmarks, demo.
+"""Write random Llama-family model folders in Hugging Face format (and LoRA adapters for them in
+PEFT's format): tests, benchmarks, demo.
 
 ``make_model`` writes config.json, generation_config.json, model.safetensors and a real
 tokenizer (see tokenizer_files.py). Weights are random but deterministic per seed, and scaled
@@ -162,6 +163,53 @@ def _random_weights(spec: Preset, arch: str, tied: bool, gen) -> dict[str, Any]:
     head = weights["model.embed_tokens.weight" if tied else "lm_head.weight"]
     head[: len(SPECIAL_TOKENS)] *= 0.25
     return weights
+
+
+def make_lora_adapter(
+    out_dir: str | Path,
+    model_dir: str | Path,
+    *,
+    rank: int = 8,
+    alpha: float = 16,
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    use_rslora: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a random PEFT LoRA adapter folder for the model in ``model_dir``; return its path.
+
+    Unlike a fresh PEFT adapter (whose B starts at zero) both matrices are random, sized so that
+    the adapter changes a random model's greedy output without swamping the base's projections."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_size, kv_size = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {  # module -> (out_features, in_features)
+        "self_attn.q_proj": (q_size, hidden), "self_attn.k_proj": (kv_size, hidden),
+        "self_attn.v_proj": (kv_size, hidden), "self_attn.o_proj": (hidden, q_size),
+        "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter),
+    }
+    scale = alpha / rank**0.5 if use_rslora else alpha / rank
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(config["num_hidden_layers"]):
+        for module, (out_features, in_features) in shapes.items():
+            if module.split(".")[1] not in target_modules:
+                continue
+            prefix = f"base_model.model.model.layers.{i}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * in_features**-0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * (0.5 * rank**-0.5 / scale)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _write_json(out / "adapter_config.json", {
+        "peft_type": "LORA", "base_model_name_or_path": str(model_dir), "r": rank, "lora_alpha": alpha,
+        "use_rslora": use_rslora, "target_modules": list(target_modules), "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "modules_to_save": None, "task_type": "CAUSAL_LM",
+    })
+    return out
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.engine.attention import AttentionBackend, AttentionMetadata
+from kvpilot.engine.lora.layer import LoRAMapping
 from kvpilot.engine.models import CausalLM
 from kvpilot.engine.request import Request
 from kvpilot.engine.sampler import Sampler
@@ -33,6 +34,7 @@ from kvpilot.engine.spec_decode.rejection_sampler import rejection_sample
 
 if TYPE_CHECKING:
     from kvpilot.engine.cuda_graphs import DecodeCudaGraphs
+    from kvpilot.engine.lora.manager import LoRAManager
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class ModelInputs:
     sampled_requests: list[Request]  # each owns 1 + len(its drafts) consecutive logits_indices
     drafts: list[list[int]]  # per sampled request: the proposals this step verifies (mostly none)
     is_decode_only: bool  # every sequence computes exactly one token (the CUDA-graph case)
+    lora: LoRAMapping | None = None  # rows running with a LoRA adapter, by slot; None when none does
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,10 @@ class ModelRunner:
         block_size: int,
         backend: AttentionBackend,
         sampler: Sampler,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # the adapters and their slots when LoRA is enabled
         self.device = device
         self.block_size = block_size
         self.backend = backend
@@ -147,7 +152,8 @@ class ModelRunner:
         graphs = self.cuda_graphs
         if graphs is not None and inputs.is_decode_only and graphs.can_run(inputs.metadata):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend,
+                          inputs.lora)
 
     def prepare_inputs(self, step: SchedulerOutput) -> ModelInputs:
         input_ids: list[int] = []
@@ -159,6 +165,7 @@ class ModelRunner:
         q_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        row_slots: list[int | None] = []  # each row's adapter slot, when LoRA is enabled
         row = 0
         for request, num_new, num_before, block_ids in zip(
             step.requests, step.num_scheduled_tokens, step.num_computed_before, step.block_ids
@@ -173,6 +180,8 @@ class ModelRunner:
             else:
                 input_ids.extend((tokens + request.spec_token_ids)[num_before:seq_len])
             row += num_new
+            if self.lora is not None:
+                row_slots.extend([request.lora_slot] * num_new)
             if seq_len > num_verified:
                 # Verifying proposals: each row attends as a decode row of its own (row j sees the
                 # context up to itself), so the decode attention path serves the whole step.
@@ -231,6 +240,7 @@ class ModelRunner:
             sampled_requests=sampled,
             drafts=drafts,
             is_decode_only=is_decode_only,
+            lora=LoRAMapping.from_row_slots(row_slots, device),
         )
 
     @torch.inference_mode()

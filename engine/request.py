@@ -7,7 +7,10 @@ scheduler, KV cache manager and model runner only ever see sequences.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpilot.engine.lora.adapter import LoRAAdapter
 
 
 class InvalidRequestError(ValueError):
@@ -58,6 +61,8 @@ class Request:
         "sampling_input",
         "stop_reason",
         "spec_token_ids",
+        "lora",
+        "lora_slot",
     )
 
     def __init__(
@@ -67,6 +72,7 @@ class Request:
         params: Any,
         arrival_time: float,
         sampling_input: Any = None,
+        lora: LoRAAdapter | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -86,6 +92,14 @@ class Request:
         # Proposed next tokens (speculative decoding), not yet verified: the scheduler computes them
         # like any other token and the target model accepts a prefix of them; never in all_token_ids.
         self.spec_token_ids: list[int] = []
+        self.lora = lora  # the adapter it runs with, or None for the base model
+        self.lora_slot: int | None = None  # the slot its adapter sits in while it runs (engine/lora/manager.py)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model: the seed of its prefix-cache hashes, so blocks
+        computed with one adapter are never reused by another or by the base model."""
+        return 0 if self.lora is None else self.lora.request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,9 @@ running sequence is preempted: its blocks are freed and it waits, first in
 line, to be recomputed. A lowered ``max_num_seqs`` takes effect the same way,
 in the next step: the newest running sequences above it are preempted (the
 prefix cache keeps their full blocks, so re-admission recomputes little).
+A sequence with a LoRA adapter is admitted only once its adapter has one of the
+model's ``max_loras`` slots (engine/lora/manager.py); until then it waits and
+the sequences behind it are admitted past it.
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvpilot.engine.lora.manager import LoRAManager
 
 
 @dataclass
@@ -67,8 +75,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.lora = lora  # where sequences with an adapter get their adapter's slot
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.limits = SchedulerLimits(max_num_seqs, max_num_batched_tokens)
@@ -148,9 +158,14 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        # Admitting while preempting would only thrash the cache.
+        # Admitting while preempting would only thrash the cache. A sequence whose adapter finds no
+        # slot (every slot is needed by running sequences) waits, and the ones behind it go ahead.
+        passed_over: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
+            if request.lora is not None and not self.lora.assign_slot(request, self.running):
+                passed_over.append(self.waiting.popleft())
+                continue
             computed = kv.get_computed_blocks(request)
             num_new = request.num_tokens - computed.num_tokens
             if num_new > budget:
@@ -168,6 +183,7 @@ class Scheduler:
             scheduled.append(request)
             num_tokens.append(num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
 
         computed_before = [request.num_computed_tokens for request in scheduled]
         for request, num_new in zip(scheduled, num_tokens):
@@ -241,4 +257,5 @@ class Scheduler:
         request.num_preemptions += 1
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()  # proposals were made for the KV just dropped
+        request.lora_slot = None  # its adapter's slot may go to another adapter while it waits
         self.waiting.appendleft(request)

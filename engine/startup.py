@@ -24,6 +24,7 @@ from kvpilot.engine.config import (
     resolve_max_model_len,
     resolve_max_num_batched_tokens,
 )
+from kvpilot.engine.lora.manager import LoRAManager
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.models import CausalLM, ModelArch, load_model, load_tokenizer, read_model_arch, saved_dtype
 from kvpilot.engine.sampler import Sampler, SamplingInput
@@ -56,6 +57,9 @@ def start(config: EngineConfig) -> tuple[EngineConfig, ResolvedConfig, ModelArch
     if config.speculative_config is not None and config.speculative_config.method == "draft_model":
         draft_model = _load_draft_model(config, arch, TORCH_DTYPES[dtype], device, max_model_len)
     weights_loaded = time.perf_counter()
+    lora = None
+    if config.enable_lora:
+        lora = LoRAManager(model, max_loras=config.max_loras, max_rank=config.max_lora_rank)
     tokenizer = load_tokenizer(config.model)
     tokenizer_loaded = time.perf_counter()
     runner = ModelRunner(
@@ -64,6 +68,7 @@ def start(config: EngineConfig) -> tuple[EngineConfig, ResolvedConfig, ModelArch
         block_size=config.block_size,
         backend=get_attention_backend(backend_name),
         sampler=Sampler(arch.eos_token_ids),
+        lora=lora,
     )
     block_bytes = kv_block_bytes(
         block_size=config.block_size,
@@ -90,7 +95,8 @@ def start(config: EngineConfig) -> tuple[EngineConfig, ResolvedConfig, ModelArch
         source=source,
     )
     runner.allocate_kv_cache(num_blocks)
-    if device == "cuda" and not config.enforce_eager and backend_name == "triton":
+    # A batch's adapter rows change every step, which a captured graph cannot follow.
+    if device == "cuda" and not config.enforce_eager and backend_name == "triton" and lora is None:
         # Decode batches grow to max_num_seqs; a live increase beyond it runs eagerly.
         runner.enable_cuda_graphs(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
     resolved = ResolvedConfig(

@@ -19,6 +19,7 @@ from torch import nn
 
 from kvpilot.engine.attention import AttentionBackend, AttentionMetadata
 from kvpilot.engine.linear import Linear, UnloadedLinear
+from kvpilot.engine.lora.layer import LoRAMapping
 from kvpilot.engine.models.config import ModelArch, RopeScaling
 from kvpilot.kernels import cpu_fused_ops
 
@@ -98,22 +99,23 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoRAMapping | None,  # rows that run with a LoRA adapter (each projection adds theirs)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the residual stream before it is added)
         arch = self.arch
         num_tokens = delta.shape[0]
         x, residual = add_rms_norm(delta, residual, self.input_layernorm, arch.rms_norm_eps)
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(x, lora)  # [num_tokens, q_size + 2 * kv_size]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads are adjacent in qkv, so one rotation covers both.
         qk = apply_rope(qk.view(num_tokens, arch.num_heads + arch.num_kv_heads, arch.head_dim), cos, signed_sin)
         q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
         v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
         attn = backend.forward(q, k, v, kv_cache, metadata, arch.attention_scale)  # [num_tokens, heads, head_dim]
-        attn_out = self.o_proj(attn.reshape(num_tokens, self.q_size))
+        attn_out = self.o_proj(attn.reshape(num_tokens, self.q_size), lora)
 
         x, residual = add_rms_norm(attn_out, residual, self.post_attention_layernorm, arch.rms_norm_eps)
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        return self.down_proj(silu_mul(gate_up)), residual
+        gate_up = self.gate_up_proj(x, lora)  # [num_tokens, 2 * intermediate]
+        return self.down_proj(silu_mul(gate_up), lora), residual
 
 
 class CausalLM(nn.Module):
@@ -149,6 +151,7 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         hidden = self.embed_tokens.embedding(input_ids)  # [num_tokens, hidden_size]
         angles = positions.float()[:, None] * self.rope_inv_freq[None, :]  # [num_tokens, head_dim // 2]
@@ -158,7 +161,7 @@ class CausalLM(nn.Module):
         signed_sin[..., : self.arch.head_dim // 2].neg_()
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, signed_sin, kv_cache, metadata, backend)
+            hidden, residual = layer(hidden, residual, cos, signed_sin, kv_cache, metadata, backend, lora)
         return add_rms_norm(hidden, residual, self.norm, self.arch.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
