@@ -5,7 +5,8 @@ Every row of a step's flat batch belongs to one sequence, and each sequence runs
 with the adapter in one of ``max_loras`` slots; ``LoRAMapping`` says which rows go with which
 slot. Slots hold A and B in one tensor per projection, so a batch that mixes adapters costs one
 shrink (x·Aᵀ) and one expand (·Bᵀ) matmul per slot present, over that slot's rows (the grouped
-form of Punica's SGMV, in torch). A fused projection (q/k/v, gate/up) stacks its parts: part p of
+form of Punica's SGMV, in torch); on CUDA one pair of Triton kernels gathers each row's adapter
+by slot (kvpilot/kernels/lora_bgmv.py, Punica's BGMV). A fused projection (q/k/v, gate/up) stacks its parts: part p of
 an adapter with rank r sits in A's rows and B's columns ``[p·r, (p+1)·r)``, B's rows being that
 part's outputs, so one matmul pair covers all parts.
 """
@@ -21,10 +22,11 @@ from kvpilot.engine.linear import Linear
 
 @dataclass(frozen=True)
 class LoRAMapping:
-    """Which rows of a step's batch run with which adapter slot: (slot, rows) per slot present;
-    rows is None when every row of the batch has that slot."""
+    """Which rows of a step's batch run with which adapter slot: (slot, rows) per slot present,
+    rows being None when every row of the batch has that slot; and each row's slot (-1: none)."""
 
     groups: tuple[tuple[int, torch.Tensor | None], ...]
+    row_slots: torch.Tensor  # [num_rows] int32 on the batch's device
 
     @classmethod
     def from_row_slots(cls, row_slots: list[int | None], device: torch.device) -> LoRAMapping | None:
@@ -32,13 +34,14 @@ class LoRAMapping:
         used = sorted({slot for slot in row_slots if slot is not None})
         if not used:
             return None
+        slots = torch.tensor([-1 if s is None else s for s in row_slots], dtype=torch.int32, device=device)
         if len(used) == 1 and None not in row_slots:
-            return cls(((used[0], None),))
+            return cls(((used[0], None),), slots)
         groups = []
         for slot in used:
             rows = [i for i, s in enumerate(row_slots) if s == slot]
             groups.append((slot, torch.tensor(rows, dtype=torch.int64, device=device)))
-        return cls(tuple(groups))
+        return cls(tuple(groups), slots)
 
 
 class LoRALinear(Linear):
@@ -56,6 +59,7 @@ class LoRALinear(Linear):
         self.lora_b = torch.zeros(max_loras, base.out_features, width, dtype=dtype, device=device)
         # Per slot: the columns of A·B its adapter uses (parts × its rank); 0 when it leaves this projection alone.
         self.widths = [0] * max_loras
+        self.widths_on_device = torch.zeros(max_loras, dtype=torch.int32, device=device)  # what the kernel reads
 
     @property
     def layout(self) -> str:  # type: ignore[override]
@@ -64,6 +68,11 @@ class LoRALinear(Linear):
     def __call__(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         y = self.base(x)  # [num_tokens, out_features]
         if lora is None:
+            return y
+        if y.is_cuda:
+            from kvpilot.kernels.lora_bgmv import lora_bgmv  # Triton loads only where it runs (no CPU start-up cost)
+
+            lora_bgmv(x, y, self.lora_a, self.lora_b, lora.row_slots, self.widths_on_device)
             return y
         for slot, rows in lora.groups:
             width = self.widths[slot]
@@ -97,3 +106,4 @@ class LoRALinear(Linear):
             self.lora_a[slot, columns] = a
             self.lora_b[slot, self.part_offsets[part] : self.part_offsets[part + 1], columns] = b
         self.widths[slot] = (len(self.part_offsets) - 1) * rank if parts else 0
+        self.widths_on_device[slot] = self.widths[slot]

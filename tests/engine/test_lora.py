@@ -23,6 +23,7 @@ from kvpilot.engine.lora.layer import LoRALinear, LoRAMapping
 from kvpilot.engine.model_files import make_lora_adapter
 from kvpilot.engine.quantization.linear import QuantizedLinear
 from kvpilot.engine.quantization.packed import PackedWeight
+from kvpilot.kernels.lora_bgmv import lora_bgmv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -168,8 +169,13 @@ def test_lora_linear_adds_each_rows_adapter_over_dense_and_packed_weights():
                     continue
                 rows = slice(layer.part_offsets[part], layer.part_offsets[part + 1])
                 expected[row, rows] += x[row] @ a.T @ b.T
-        got = layer(x, LoRAMapping.from_row_slots(row_slots, torch.device("cpu")))
+        mapping = LoRAMapping.from_row_slots(row_slots, torch.device("cpu"))
+        got = layer(x, mapping)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+        # The CUDA path's kernels (here under Triton's interpreter) read the slots the same way.
+        through_kernel = base(x)
+        lora_bgmv(x, through_kernel, layer.lora_a, layer.lora_b, mapping.row_slots, layer.widths_on_device)
+        torch.testing.assert_close(through_kernel, expected, rtol=1e-4, atol=1e-3)
         torch.testing.assert_close(layer(x[[0, 3]], LoRAMapping.from_row_slots([1, 1], torch.device("cpu"))),
                                    expected[[0, 3]], rtol=1e-4, atol=1e-3)
         torch.testing.assert_close(layer(x), base(x))
