@@ -99,6 +99,41 @@ def test_adapters_alone_and_mixed_in_one_batch_match_their_merged_models(arch, t
     assert tokens == expected
 
 
+@pytest.mark.parametrize(("arch", "use_rslora"), [("llama", False), ("mistral", True), ("qwen2", False)])
+def test_adapters_made_with_peft_match_transformers_with_peft(arch, use_rslora, tiny_model_dirs, tmp_path):
+    """An adapter as PEFT writes it (random B instead of PEFT's zeros, so it changes the output):
+    kvpilot's greedy tokens and top log-probabilities equal transformers running it through peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dirs[arch]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=32, use_rslora=use_rslora, init_lora_weights=False,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft_model = get_peft_model(hf, config).eval()
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True)
+    request = LoRARequest("peft", 1, str(tmp_path / "adapter"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=request)
+    base = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] != [o.outputs[0].token_ids for o in base]
+    for prompt, output in zip(PROMPTS, outputs):
+        with torch.inference_mode():
+            expected = peft_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+            first = torch.log_softmax(peft_model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+        assert list(output.outputs[0].token_ids) == expected[0, len(prompt):].tolist()
+        top = output.outputs[0].logprobs[0]
+        for token_id, logprob in top.items():
+            assert logprob == pytest.approx(float(first[token_id]), abs=1e-3)
+
+
 def test_more_adapters_than_slots_with_preemption(tiny_model_dir, adapters, references):
     """One slot for three adapters and a KV cache too small for the batch: sequences wait for their
     adapter's slot, get preempted and recomputed, and still match their merged models."""
