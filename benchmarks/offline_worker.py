@@ -7,8 +7,10 @@ kvpilot at module level, so the vLLM virtualenv can run it.
 
     python offline_worker.py {kvpilot|vllm|hf} WORKLOAD.json RESULT.json [options]
 
-The workload file holds ``model``, ``prompts`` (token ids) and ``output_lens``; the result file
-gets the run's seconds, output tokens/s and what the system reports about itself.
+The workload file holds ``model``, ``prompts`` (token ids) and ``output_lens``, and optionally
+``loras`` (PEFT adapter folders, with ``max_lora_rank``) and ``lora_of`` (per request: an index
+into ``loras``, or null for the base model); the result file gets the run's seconds, output
+tokens/s and what the system reports about itself.
 """
 
 from __future__ import annotations
@@ -40,16 +42,19 @@ def run_kvpilot(workload: dict, args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     from kvpilot.engine import LLM, SamplingParams
 
+    from kvpilot.engine.lora import LoRARequest
+
     llm = LLM(workload["model"], dtype="bfloat16", device="cpu", max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_gib << 30,
-              **({"block_size": args.block_size} if args.block_size else {}))
+              **({"block_size": args.block_size} if args.block_size else {}), **_lora_options(workload))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload["output_lens"]]
+    loras = _lora_requests(workload, LoRARequest)
     # Warm-up on other prompts (the allocator, the thread pool, the decode kernel's first build).
-    llm.generate([p[::-1] for p in workload["prompts"][:4]], params[:4], use_tqdm=False)
+    llm.generate([p[::-1] for p in workload["prompts"][:4]], params[:4], use_tqdm=False, lora_request=loras[:4])
     engine = llm.llm_engine
     before = engine.stats()
     start = time.perf_counter()
-    outputs = llm.generate(workload["prompts"], params, use_tqdm=False)
+    outputs = llm.generate(workload["prompts"], params, use_tqdm=False, lora_request=loras)
     seconds = time.perf_counter() - start
     after = engine.stats()
     steps = after.steps_total - before.steps_total
@@ -68,20 +73,40 @@ def run_kvpilot(workload: dict, args: argparse.Namespace) -> dict:
 def run_vllm(workload: dict, args: argparse.Namespace) -> dict:
     # Cores, KV space and preloads come from the environment offline_throughput.py sets (vllm_cpu_env).
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
 
     llm = LLM(model=workload["model"], dtype="bfloat16", max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, **({"block_size": args.block_size} if args.block_size else {}))
+              max_model_len=args.max_model_len, **({"block_size": args.block_size} if args.block_size else {}),
+              **_lora_options(workload))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload["output_lens"]]
     prompts = [{"prompt_token_ids": p} for p in workload["prompts"]]
-    llm.generate([{"prompt_token_ids": p[::-1]} for p in workload["prompts"][:4]], params[:4], use_tqdm=False)
+    loras = _lora_requests(workload, LoRARequest)
+    llm.generate([{"prompt_token_ids": p[::-1]} for p in workload["prompts"][:4]], params[:4], use_tqdm=False,
+                 lora_request=loras[:4])
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
         "prefix_cache_hit_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
     }
+
+
+def _lora_options(workload: dict) -> dict:
+    """The engine arguments for the workload's adapters, the same names in kvpilot and vLLM: every
+    adapter resident at once."""
+    if not workload.get("loras"):
+        return {}
+    return {"enable_lora": True, "max_loras": len(workload["loras"]), "max_lora_rank": workload["max_lora_rank"]}
+
+
+def _lora_requests(workload: dict, request_type) -> list:
+    """Per request its LoRARequest (name, id, path: the same signature in kvpilot and vLLM) or None."""
+    if not workload.get("loras"):
+        return [None] * len(workload["prompts"])
+    adapters = [request_type(f"adapter{i}", i + 1, path) for i, path in enumerate(workload["loras"])]
+    return [None if index is None else adapters[index] for index in workload["lora_of"]]
 
 
 def run_hf(workload: dict, args: argparse.Namespace) -> dict:

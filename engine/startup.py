@@ -51,15 +51,15 @@ def start(config: EngineConfig) -> tuple[EngineConfig, ResolvedConfig, ModelArch
     torch.manual_seed(config.seed)
     started = time.perf_counter()
     model = load_model(config.model, TORCH_DTYPES[dtype], torch.device(device), config.quantization)
+    lora = None
+    if config.enable_lora:  # before packing: the adapters' stacked matrices are packed with the base weights
+        lora = LoRAManager(model, max_loras=config.max_loras, max_rank=config.max_lora_rank)
     if device == "cpu":
         model.pack_weights_for_cpu(batch_size_hint=config.max_num_seqs)
     draft_model = None
     if config.speculative_config is not None and config.speculative_config.method == "draft_model":
         draft_model = _load_draft_model(config, arch, TORCH_DTYPES[dtype], device, max_model_len)
     weights_loaded = time.perf_counter()
-    lora = None
-    if config.enable_lora:
-        lora = LoRAManager(model, max_loras=config.max_loras, max_rank=config.max_lora_rank)
     tokenizer = load_tokenizer(config.model)
     tokenizer_loaded = time.perf_counter()
     runner = ModelRunner(

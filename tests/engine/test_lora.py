@@ -209,7 +209,8 @@ def test_lora_linear_adds_each_rows_adapter_over_dense_and_packed_weights():
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
         # The CUDA path's kernels (here under Triton's interpreter) read the slots the same way.
         through_kernel = base(x)
-        lora_bgmv(x, through_kernel, layer.lora_a, layer.lora_b, mapping.row_slots, layer.widths_on_device)
+        lora_bgmv(x, through_kernel, layer.lora_a, layer.lora_b.transpose(0, 1), mapping.row_slots,
+                  layer.widths_on_device)
         torch.testing.assert_close(through_kernel, expected, rtol=1e-4, atol=1e-3)
         torch.testing.assert_close(layer(x[[0, 3]], LoRAMapping.from_row_slots([1, 1], torch.device("cpu"))),
                                    expected[[0, 3]], rtol=1e-4, atol=1e-3)
