@@ -35,6 +35,11 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_NUM_SPECULATIVE_TOKENS = 16
 # `kvpilot serve --tool-call-parser` (spec.engine.toolCallParser): how tool_choice auto finds calls.
 TOOL_CALL_PARSERS = ("hermes", "json")
+# LoRA adapters (spec.loras; `kvpilot serve --enable-lora --lora-modules NAME=PATH ...`), loaded and
+# unloaded live on the admin port with vLLM's bodies: {"lora_name", "lora_path"} and {"lora_name"}.
+ADMIN_LOAD_LORA_PATH = "/v1/load_lora_adapter"
+ADMIN_UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
+ADMIN_LORA_ADAPTERS_PATH = "/admin/v1/lora_adapters"  # GET: {"data": [{"name", "path"}]}, the adapters loaded
 
 # --- start-up ------------------------------------------------------------------------
 
@@ -58,6 +63,9 @@ TUNING_FILE_KEYS = {
     "maxNumBatchedTokens": "max_num_batched_tokens",
     "gpuMemoryUtilization": "gpu_memory_utilization",
 }
+# The tuning file's list of LoRA adapters ([{"name", "path"}]) a pod loads at start, added to
+# --lora-modules: the operator keeps it equal to spec.loras, so a new pod starts with every adapter.
+TUNING_FILE_LORAS_KEY = "loraModules"
 
 # --- metrics -------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ and tests read the dicts directly. Children, all named after the service:
 
 - Deployment ``NAME``: engine pods running ``kvpilot serve``.
 - Service ``NAME``: port 8000 ``http``, the OpenAI API (never the engines' admin port).
-- ConfigMap ``NAME-tuning``: the tuning state the pods read at start.
+- ConfigMap ``NAME-tuning``: the tuning state and the LoRA adapters the pods read at start.
 - PodDisruptionBudget ``NAME``: only when replicas > 1.
 - Secret ``NAME-admin``: the engines' admin token (created once, never rewritten).
 """
@@ -13,6 +13,7 @@ and tests read the dicts directly. Children, all named after the service:
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import posixpath
 import re
@@ -30,7 +31,7 @@ from kvpilot.engine_contract import (
 )
 from kvpilot.operator import tuning_configmap
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec, ModelLocation
+from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec, LoRASource, ModelLocation
 
 PORT_NAME = "http"
 ADMIN_PORT_NAME = "admin"
@@ -42,6 +43,8 @@ MODEL_VOLUME = "model"
 # spec.engine.speculative.model: its own volume and root, so it may share a claim (or nothing) with the target.
 DRAFT_MODEL_ROOT = "/mnt/draft-model"
 DRAFT_MODEL_VOLUME = "draft-model"
+# spec.loras: one volume per claim, per node directory holding adapters, and per hf:// adapter.
+LORA_ROOT = "/mnt/loras"
 SCRATCH_DIR = "/tmp"
 POD_IP_ENV = "POD_IP"
 ADMIN_TOKEN_KEY = "token"
@@ -155,6 +158,67 @@ def draft_model_mount(spec: InferenceServiceSpec, target: ModelMount, image: str
     return model_mount(speculative.model, DRAFT_MODEL_VOLUME, DRAFT_MODEL_ROOT, image, container_security)
 
 
+@dataclass(frozen=True)
+class LoRAVolume:
+    """Where a LoRA adapter's folder comes from: ``volume`` (shared by every adapter it holds)
+    mounted at ``root``, the adapter at ``path`` below it."""
+
+    volume: dict[str, Any]
+    root: str
+    path: str
+    source: LoRASource
+
+
+def lora_volume(source: LoRASource) -> LoRAVolume:
+    """A pvc:// adapter reads its claim, mounted once for every adapter on it; a file:// adapter its
+    node directory's parent, so adapters side by side share one mount (adding one there changes no
+    pod template and loads live); an hf:// adapter is downloaded into a volume of its own."""
+    uri = source.uri
+    if uri.startswith("pvc://"):
+        claim, _, sub_path = uri[len("pvc://"):].partition("/")
+        volume = f"lora-pvc-{_short_hash(claim)}"
+        root = f"{LORA_ROOT}/{volume}"
+        return LoRAVolume({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}},
+                          root, f"{root}/{sub_path}".rstrip("/"), source)
+    if uri.startswith("file:///"):
+        host_path = "/" + uri[len("file:///"):].rstrip("/")
+        parent = posixpath.dirname(host_path)
+        volume = f"lora-dir-{_short_hash(parent)}"
+        root = f"{LORA_ROOT}/{volume}"
+        return LoRAVolume({"name": volume, "hostPath": {"path": parent, "type": "Directory"}}, root,
+                          f"{root}/{posixpath.basename(host_path)}", source)
+    if uri.startswith("hf://"):
+        volume = f"lora-hf-{_short_hash(uri + chr(0) + (source.revision or ''))}"
+        root = f"{LORA_ROOT}/{volume}"
+        return LoRAVolume({"name": volume, "emptyDir": {}}, root, root, source)
+    raise ValueError(f"lora uri {uri!r}: unknown scheme (use pvc://, file:/// or hf://)")
+
+
+def lora_paths(spec: InferenceServiceSpec) -> dict[str, str]:
+    """Each adapter's folder inside an engine pod, by name."""
+    return {source.name: lora_volume(source).path for source in spec.loras}
+
+
+def _lora_pod_parts(spec: InferenceServiceSpec, image: str, container_security: dict[str, Any]
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, the engine's volume mounts, download init containers) for spec.loras, each volume once."""
+    volumes: dict[str, LoRAVolume] = {}
+    for source in spec.loras:
+        placed = lora_volume(source)
+        volumes.setdefault(placed.volume["name"], placed)
+    ordered = [volumes[name] for name in sorted(volumes)]
+    downloads = [
+        _download_container(v.source, v.source.uri[len("hf://"):], v.volume["name"], v.root, image, container_security)
+        for v in ordered if "emptyDir" in v.volume
+    ]
+    mounts = [{"name": v.volume["name"], "mountPath": v.root, "readOnly": True} for v in ordered]
+    return [v.volume for v in ordered], mounts, downloads
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
 def download_container_name(volume: str) -> str:
     """The init container that downloads an hf:// model into volume ``volume``."""
     return f"download-{volume}"
@@ -226,6 +290,8 @@ def engine_args(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings
         args += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
     if engine.tool_call_parser is not None:
         args += ["--tool-call-parser", engine.tool_call_parser]
+    if spec.loras:  # the adapters themselves come from the tuning file, which follows spec.loras live
+        args += ["--enable-lora", "--max-loras", str(engine.max_loras), "--max-lora-rank", str(engine.max_lora_rank)]
     return args + list(engine.extra_args)
 
 
@@ -271,7 +337,8 @@ def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any
 
 
 def engine_container(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings, mount: ModelMount,
-                     draft: ModelMount | None, image: str, settings: OperatorSettings) -> dict[str, Any]:
+                     draft: ModelMount | None, image: str, settings: OperatorSettings,
+                     lora_mounts: list[dict[str, Any]] = ()) -> dict[str, Any]:
     startup_period = 5
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
@@ -312,6 +379,7 @@ def engine_container(name: str, spec: InferenceServiceSpec, in_effect: EngineSet
         "volumeMounts": [
             *mount.volume_mounts,
             *(draft.volume_mounts if draft else []),
+            *lora_mounts,
             {"name": "tuning", "mountPath": TUNING_DIR, "readOnly": True},
             {"name": "scratch", "mountPath": SCRATCH_DIR},
         ],
@@ -327,11 +395,13 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec, in_e
     image = spec.image or settings.engine_image
     mount = model_mount(spec.model, MODEL_VOLUME, MODEL_ROOT, image, _container_security())
     draft = draft_model_mount(spec, mount, image, _container_security())
+    lora_volumes, lora_mounts, lora_downloads = _lora_pod_parts(spec, image, _container_security())
     pod_spec: dict[str, Any] = {
-        "containers": [engine_container(name, spec, in_effect, mount, draft, image, settings)],
+        "containers": [engine_container(name, spec, in_effect, mount, draft, image, settings, lora_mounts)],
         "volumes": [
             *mount.volumes,
             *(draft.volumes if draft else []),
+            *lora_volumes,
             {"name": "tuning", "configMap": {"name": tuning_configmap_name(name)}},
             {"name": "scratch", "emptyDir": {}},
         ],
@@ -347,7 +417,7 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec, in_e
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
-    init_containers = [*mount.init_containers, *(draft.init_containers if draft else [])]
+    init_containers = [*mount.init_containers, *(draft.init_containers if draft else []), *lora_downloads]
     if init_containers:
         pod_spec["initContainers"] = init_containers
     if spec.node_selector:
@@ -398,7 +468,7 @@ def build_tuning_configmap(name: str, namespace: str, spec: InferenceServiceSpec
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(tuning_configmap_name(name), namespace, name),
-        "data": tuning_configmap.configmap_data(in_effect, seed=EngineSettings.of(spec.engine)),
+        "data": tuning_configmap.configmap_data(in_effect, seed=EngineSettings.of(spec.engine), loras=lora_paths(spec)),
     }
 
 

@@ -1,12 +1,14 @@
 """The only code that speaks HTTP to engine pods: the twin of ``kube.py``.
 
-Two calls, both fanned out over a service's pods at once and both answering
-per pod, so one slow or dead pod never holds up or fails the others:
+Three calls, each fanned out over a service's pods at once and answering per
+pod, so one slow or dead pod never holds up or fails the others:
 
 - ``scrape``: each pod's Prometheus exposition (``GET /metrics``);
 - ``set_scheduler_limits``: the live settings (``POST /admin/v1/scheduler`` on the
   engine's admin port, bearer admin token), which the engine's scheduler applies
-  from its next step.
+  from its next step;
+- ``sync_loras``: each pod's LoRA adapters brought to spec.loras (listed, then
+  unloaded and loaded one by one on the admin port).
 
 Paths, port and keys come from the engine contract. The standard library is
 enough: a few pods per service, a few requests each interval.
@@ -67,6 +69,42 @@ class EngineClient:
         return {key: _describe(outcome) for key, outcome in self._each(engines, post).items()
                 if isinstance(outcome, Exception)}
 
+    def sync_loras(self, engines: Mapping[str, str], desired: Mapping[str, str],
+                   token: str | None) -> dict[str, dict[str, str | None]]:
+        """Loads and unloads adapters on each engine (``engines`` maps a key to an ``admin_url``) until
+        it holds ``desired`` (name -> folder in the pod); returns key -> adapter name -> None when the
+        engine holds it, else why not. An engine that cannot be listed reports every desired adapter
+        with that error."""
+        if token is None:
+            return {key: {name: "the admin token Secret is missing" for name in desired} for key in engines}
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+        def call(url: str, path: str, body: dict[str, str] | None = None) -> dict:
+            data = None if body is None else json.dumps(body).encode()
+            request = urllib.request.Request(url + path, data, headers, method="GET" if body is None else "POST")
+            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
+                return json.loads(response.read() or b"{}")
+
+        def sync(url: str) -> dict[str, str | None]:
+            loaded = {a["name"]: a["path"] for a in call(url, contract.ADMIN_LORA_ADAPTERS_PATH)["data"]}
+            unload, load = lora_changes(loaded, desired)
+            states: dict[str, str | None] = {}
+            for name in unload:
+                call(url, contract.ADMIN_UNLOAD_LORA_PATH, {"lora_name": name})
+            for name in desired:
+                if name not in load:
+                    states[name] = None
+                    continue
+                try:
+                    call(url, contract.ADMIN_LOAD_LORA_PATH, {"lora_name": name, "lora_path": desired[name]})
+                    states[name] = None
+                except (OSError, ValueError) as exc:
+                    states[name] = _describe(exc)
+            return states
+
+        return {key: outcome if isinstance(outcome, dict) else {name: _describe(outcome) for name in desired}
+                for key, outcome in self._each(engines, sync).items()}
+
     def _each(self, engines: Mapping[str, str], call: Callable[[str], T]) -> dict[str, T | Exception]:
         if not engines:
             return {}
@@ -80,6 +118,14 @@ class EngineClient:
         with ThreadPoolExecutor(max_workers=min(self.max_parallel, len(engines))) as pool:
             outcomes = list(pool.map(guarded, engines.values()))
         return dict(zip(engines, outcomes))
+
+
+def lora_changes(loaded: Mapping[str, str], desired: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """(adapters to unload, adapters to load) to take an engine from ``loaded`` to ``desired`` (both
+    name -> folder): one whose folder changed is unloaded and loaded again."""
+    unload = [name for name, path in loaded.items() if desired.get(name) != path]
+    load = [name for name, path in desired.items() if loaded.get(name) != path]
+    return unload, load
 
 
 def _describe(error: Exception) -> str:

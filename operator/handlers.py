@@ -79,7 +79,7 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
     @kopf.on.create(*resource, registry=registry, id="reconcile", backoff=RETRY_BACKOFF_SECONDS)
     @kopf.on.update(*resource, registry=registry, id="reconcile", backoff=RETRY_BACKOFF_SECONDS)
     def reconcile_service(body: kopf.Body, **_: Any) -> None:
-        post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings))
+        post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings, context.engines))
 
     # A daemon rather than a timer: kopf would post a "succeeded" Event for every timer run.
     # On deletion it gets a few seconds to finish a reconcile before kopf cancels it.
@@ -87,7 +87,7 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
     def resync_service(body: kopf.Body, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
         while not stopped.wait(context.settings.resync_seconds):
             try:
-                post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings))
+                post_outcome(body, reconcile.reconcile(context.kube, _plain(body), context.settings, context.engines))
             except Exception:  # the next resync retries; the daemon must outlive API hiccups
                 logger.exception("resync failed")
         operator_metrics.forget(body["metadata"]["namespace"], body["metadata"]["name"])
@@ -111,7 +111,7 @@ def register(registry: kopf.OperatorRegistry, context: OperatorContext) -> None:
             return  # the initial listing: the resume handlers reconcile every service anyway
         owner = context.kube.get_inference_service(namespace, owner_name)
         if owner is not None and not owner["metadata"].get("deletionTimestamp"):
-            post_outcome(owner, reconcile.reconcile(context.kube, owner, context.settings))
+            post_outcome(owner, reconcile.reconcile(context.kube, owner, context.settings, context.engines))
 
     loop = control_loop.ControlLoop(context.kube, context.engines, context.settings)
 

@@ -22,9 +22,16 @@ from pydantic import ValidationError
 
 from kvpilot.kube_contract import pod_ready
 from kvpilot.operator import builders, operator_metrics, status, tuning_configmap
+from kvpilot.operator.engine_client import EngineClient, admin_url
 from kvpilot.operator.kube import Kube, KubeError
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec, parse_spec, spec_error_message
+from kvpilot.operator.spec import (
+    EngineSettings,
+    InferenceServiceSpec,
+    lora_name_problem,
+    parse_spec,
+    spec_error_message,
+)
 
 
 @dataclass
@@ -42,15 +49,19 @@ def read_settings_in_effect(kube: Kube, name: str, namespace: str, spec: Inferen
     return tuning_configmap.settings_in_effect(spec, (configmap or {}).get("data"))
 
 
-def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings) -> Outcome:
-    """Brings one InferenceService's children to the desired state and writes its status."""
+def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings, engines: EngineClient | None = None
+              ) -> Outcome:
+    """Brings one InferenceService's children to the desired state and writes its status; with
+    ``engines``, also brings each Ready engine pod's LoRA adapters to spec.loras."""
     meta = body["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     outcome = Outcome()
     try:
         spec = parse_spec(body.get("spec") or {})
+        message = lora_name_problem(builders.served_model_name(name, spec), spec)
     except ValidationError as exc:
         message = spec_error_message(exc)
+    if message is not None:
         outcome.warnings.append((status.INVALID_SPEC, message))
         outcome.status = _write_status(kube, body, status.invalid_spec_status(
             meta.get("generation"), message, _conditions(body), status.rfc3339(time.time())))
@@ -67,11 +78,48 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: OperatorSettings) -> O
         _apply(kube, children.pdb, body, outcome)
     elif kube.delete("policy/v1", "PodDisruptionBudget", namespace, name):
         outcome.actions.append(f"Deleted PodDisruptionBudget {name} (one replica needs none)")
+    if engines is not None:
+        _sync_loras(kube, engines, body, spec, outcome)
 
     refreshed = refresh_status(kube, body, spec=spec, in_effect=in_effect, gateway_url=settings.gateway_url)
     outcome.warnings.extend(refreshed.warnings)
     outcome.status = refreshed.status
     return outcome
+
+
+def _sync_loras(kube: Kube, engines: EngineClient, body: dict[str, Any], spec: InferenceServiceSpec,
+                outcome: Outcome) -> None:
+    """Loads and unloads adapters on the Ready pods until each holds spec.loras, and writes
+    status.loras. New pods start with every adapter (the tuning file lists them); this keeps the
+    running ones in step with spec edits."""
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    previous = (body.get("status") or {}).get("loras")
+    if not spec.loras:
+        if previous is not None:
+            kube.patch_status(namespace, name, {"loras": None})
+        return
+    pods = kube.list("v1", "Pod", namespace, label_selector=builders.selector_string(name))
+    ready = {p["metadata"]["name"]: admin_url(p["status"]["podIP"]) for p in pods
+             if pod_ready(p) and (p.get("status") or {}).get("podIP")}
+    token = builders.admin_token(kube.get("v1", "Secret", namespace, builders.admin_secret_name(name)))
+    results = engines.sync_loras(ready, builders.lora_paths(spec), token)
+    before = {(entry["name"], pod["pod"]): pod["state"] for entry in previous or [] for pod in entry.get("pods") or []}
+    loras = []
+    for source in spec.loras:
+        pods_state = []
+        for pod in sorted(results):
+            error = results[pod].get(source.name)
+            state = "Loaded" if error is None else "Failed"
+            pods_state.append({"pod": pod, "state": state, "message": error})
+            if before.get((source.name, pod)) != state:
+                if error is None:
+                    outcome.actions.append(f"LoRA adapter {source.name} loaded on pod {pod}")
+                else:
+                    outcome.warnings.append((status.LORA_FAILED, f"LoRA adapter {source.name} failed to load on pod {pod}: {error}"))
+        loras.append({"name": source.name, "loadedPods": sum(p["state"] == "Loaded" for p in pods_state),
+                      "pods": pods_state})
+    if _without_nones(loras) != previous:
+        kube.patch_status(namespace, name, {"loras": loras})
 
 
 CONFLICT_RETRIES = 3
@@ -145,7 +193,7 @@ def refresh_status(kube: Kube, body: dict[str, Any], *, spec: InferenceServiceSp
         unready = {p["metadata"]["name"] for p in pods if not pod_ready(p)}
         events = kube.pod_events(namespace, unready)
         new_status = status.compute_status(
-            name=name, namespace=namespace, spec=spec,
+            name=name, namespace=namespace, spec=spec, loras=(body.get("status") or {}).get("loras"),
             generation=applied_generation or body["metadata"].get("generation"),
             settings=in_effect, deployment=deployment, pods=pods, events=events,
             previous_conditions=_conditions(body), now=status.rfc3339(time.time()),

@@ -406,6 +406,17 @@ class EngineParams(EngineSettings):
             "(examples/chat-templates/ holds one). A syntax error stops the engine at start, naming the line."
         ),
     )
+    max_loras: int = Field(
+        default=4, ge=1, le=64,
+        description=(
+            "LoRA adapters (spec.loras) resident in the engine at once; requests for others wait for a slot "
+            "(the least recently used one no running request needs). Only read when spec.loras is set."
+        ),
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, le=512,
+        description="Largest rank (r) an adapter in spec.loras may have; a higher one fails to load, naming it.",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         max_length=64,
@@ -579,6 +590,21 @@ class Autoscaling(SpecModel):
     )
 
 
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
+MAX_LORAS_LISTED = 32
+
+
+class LoRASource(ModelLocation):
+    """A LoRA adapter (a PEFT folder: adapter_config.json, adapter_model.safetensors) served on top of
+    the model under its own name."""
+
+    name: str = Field(
+        description="Model name clients send in `model` to use this adapter; /v1/models lists it with the base as parent.",
+        min_length=1, max_length=128, pattern=LORA_NAME_PATTERN,
+    )
+    rules: ClassVar[tuple[Rule, ...]] = _location_rules("loras[]")
+
+
 class InferenceServiceSpec(SpecModel):
     """Desired state of an InferenceService: a model served by kvpilot engine pods behind a Service."""
 
@@ -611,6 +637,15 @@ class InferenceServiceSpec(SpecModel):
     affinity: dict[str, Any] | None = Field(
         default=None, **_preserve_unknown("The engine pods' affinity, as in a pod spec.")
     )
+    loras: list[LoRASource] = Field(
+        default_factory=list, max_length=MAX_LORAS_LISTED,
+        description=(
+            "LoRA adapters served on top of the model, each under its own name. Adding or removing one loads or "
+            "unloads it on the running pods without a restart when its files are already reachable there "
+            "(a folder under a file:// directory or pvc:// claim another adapter already uses); a new directory, "
+            "claim or hf:// adapter rolls the pods, as does the first adapter (it turns LoRA on)."
+        ),
+    )
     autoscaling: Autoscaling | None = Field(default=None, description="Scale replicas with load. Unset: fixed replicas.")
     tuning: Tuning | None = Field(default=None, description="Tune engine parameters live against an SLO. Unset: no tuning.")
     api_key_secret_ref: SecretKeySelector | None = Field(
@@ -622,6 +657,18 @@ class InferenceServiceSpec(SpecModel):
         ),
     )
     rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.loras) || self.loras.all(a, self.loras.filter(b, b.name == a.name).size() == 1)",
+            message="loras: every adapter needs a name of its own",
+            check=lambda s: len({a.name for a in s.loras}) == len(s.loras),
+            field_path=".loras",
+        ),
+        Rule(
+            cel="!has(self.loras) || !has(self.model.servedName) || self.loras.all(a, a.name != self.model.servedName)",
+            message="loras: an adapter's name must differ from model.servedName, the base model's name",
+            check=lambda s: s.model.served_name is None or all(a.name != s.model.served_name for a in s.loras),
+            field_path=".loras",
+        ),
         Rule(
             cel=(
                 "!has(self.tuning) || !self.tuning.enabled || "
@@ -662,12 +709,13 @@ class ConditionType(str, enum.Enum):
     READY = "Ready"
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
+    ADAPTERS_READY = "AdaptersReady"  # only with spec.loras: every adapter loaded on every Ready pod
 
 
 class Condition(StatusModel):
     """A Kubernetes-style condition (metav1.Condition)."""
 
-    type: str = Field(description="Ready, Progressing or Degraded.")
+    type: str = Field(description="Ready, Progressing, Degraded, or AdaptersReady (with spec.loras).")
     status: str = Field(description="True, False or Unknown.")
     reason: str = Field(description="One CamelCase word a program can match.")
     message: str = Field(default="", description="What is happening and, when something is wrong, what to do.")
@@ -729,6 +777,22 @@ class AutoscalingStatus(StatusModel):
     time: str | None = Field(default=None, description="When it was decided (RFC 3339).")
 
 
+class LoRAPodState(StatusModel):
+    """One adapter on one Ready engine pod."""
+
+    pod: str = Field(description="The engine pod.")
+    state: Literal["Loaded", "Failed"] = Field(description="Loaded: the pod serves the adapter; Failed: it could not load it.")
+    message: str | None = Field(default=None, description="Why it failed, from the engine.")
+
+
+class LoRAStatus(StatusModel):
+    """One adapter of spec.loras across the Ready engine pods."""
+
+    name: str = Field(description="The adapter's name (spec.loras[].name).")
+    loaded_pods: int = Field(default=0, description="Ready pods that serve it.")
+    pods: list[LoRAPodState] = Field(default_factory=list, description="Its state on each Ready pod.")
+
+
 class InferenceServiceStatus(StatusModel):
     """Observed state, written by the operator through the status subresource."""
 
@@ -748,6 +812,8 @@ class InferenceServiceStatus(StatusModel):
     metrics: MetricsStatus | None = Field(default=None, description="Recent load and latency.")
     tuning: TuningStatus | None = Field(default=None, description="The tuner's last decision.")
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")
+    loras: list[LoRAStatus] | None = Field(
+        default=None, description="Each LoRA adapter of spec.loras on the Ready pods, as the operator last synced them.")
 
 
 _NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -761,6 +827,16 @@ NAME_RULE = Rule(
     ),
     check=lambda name: len(name) <= MAX_NAME_LENGTH and re.fullmatch(_NAME_PATTERN, name) is not None,
 )
+
+
+def lora_name_problem(served_name: str, spec: InferenceServiceSpec) -> str | None:
+    """The check CEL cannot make on spec alone: an adapter named like the base model when servedName
+    is unset (it defaults to metadata.name)."""
+    clash = [a.name for a in spec.loras if a.name == served_name]
+    if clash:
+        return (f"spec.loras: adapter {clash[0]!r} has the base model's name (model.servedName defaults to "
+                "metadata.name): rename the adapter or set model.servedName")
+    return None
 
 
 def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:

@@ -200,6 +200,7 @@ def compute_status(
     previous_conditions: list[dict[str, Any]],
     now: str,
     url: str | None = None,
+    loras: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The status fields the reconcile owns (the tuner writes metrics, tuning and autoscaling); ``url``:
     the base URL to report (default: the service's own)."""
@@ -257,21 +258,46 @@ def compute_status(
     else:
         phase = Phase.PROGRESSING
 
+    conditions = [
+        ready_cond,
+        _condition(ConditionType.PROGRESSING, progressing, progress_reason, progress_message, generation,
+                   previous, now),
+        degraded,
+    ]
+    if spec.loras:
+        conditions.append(_adapters_condition(spec, loras, generation, previous, now))
     return {
         "observedGeneration": generation,
         "phase": phase.value,
-        "conditions": [
-            ready_cond,
-            _condition(ConditionType.PROGRESSING, progressing, progress_reason, progress_message, generation,
-                       previous, now),
-            degraded,
-        ],
+        "conditions": conditions,
         "replicas": replicas,
         "readyReplicas": ready,
         "selector": builders.selector_string(name),
         "url": url,
         "engine": settings.resource(),
     }
+
+
+LORA_FAILED = "LoRAAdapterFailed"  # the reason of AdaptersReady=False and of the Event: an adapter did not load
+
+
+def _adapters_condition(spec: InferenceServiceSpec, loras: list[dict[str, Any]] | None, generation: int | None,
+                        previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
+    """AdaptersReady from status.loras (the last sync): a failing adapter is named here while the base
+    model keeps serving (Ready and Degraded are about the pods)."""
+    synced = {entry["name"]: entry for entry in loras or []}
+    for source in spec.loras:
+        entry = synced.get(source.name)
+        if entry is None:
+            return _condition(ConditionType.ADAPTERS_READY, False, "Syncing",
+                              f"adapter {source.name} is not loaded on the Ready pods yet", generation, previous, now)
+        failed = [p for p in entry.get("pods") or [] if p.get("state") == "Failed"]
+        if failed:
+            return _condition(ConditionType.ADAPTERS_READY, False, LORA_FAILED,
+                              f"adapter {source.name} failed on pod {failed[0]['pod']}: {failed[0].get('message')}",
+                              generation, previous, now)
+    return _condition(ConditionType.ADAPTERS_READY, True, "AllLoaded",
+                      f"{len(spec.loras)} adapters loaded on every Ready pod", generation, previous, now)
 
 
 def invalid_spec_status(generation: int | None, message: str, previous_conditions: list[dict[str, Any]],

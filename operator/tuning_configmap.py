@@ -3,7 +3,8 @@
 The spec gives starting values; with tuning enabled the tuner moves them and
 writes them here. Engine pods mount it and read ``tuning.json`` at start
 (``kvpilot serve --tuning-file``, keys from the engine contract), so a restarted
-pod keeps the tuned ``maxNumSeqs`` without a rollout. ``state.json`` holds the
+pod keeps the tuned ``maxNumSeqs`` without a rollout, and a new pod starts with
+every LoRA adapter of spec.loras (running pods load and unload them live). ``state.json`` holds the
 settings in effect, including the GPU memory fraction (a pod-template value:
 changing it rolls the pods), and the spec values they were seeded from: when
 the user edits those, their new values win over the tuner's.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 from kvpilot import engine_contract as contract
 from kvpilot.operator.spec import EngineSettings, InferenceServiceSpec
@@ -24,16 +26,19 @@ TUNING_FILE_KEY = "tuning.json"  # what the engine reads at start
 STATE_KEY = "state.json"  # what only the operator reads
 
 
-def engine_file(settings: EngineSettings) -> dict[str, int]:
-    """The engine's --tuning-file: the live settings, which it applies over its flags at start."""
-    values = {key: getattr(settings, flag) for key, flag in contract.TUNING_FILE_KEYS.items()
-              if flag in contract.LIVE_SETTINGS}
+def engine_file(settings: EngineSettings, loras: Mapping[str, str]) -> dict[str, Any]:
+    """The engine's --tuning-file: the live settings, which it applies over its flags at start, and
+    the LoRA adapters it loads at start (name -> folder in the pod), when there are any."""
+    values: dict[str, Any] = {key: getattr(settings, flag) for key, flag in contract.TUNING_FILE_KEYS.items()
+                              if flag in contract.LIVE_SETTINGS}
+    if loras:
+        values[contract.TUNING_FILE_LORAS_KEY] = [{"name": name, "path": path} for name, path in loras.items()]
     return {key: value for key, value in values.items() if value is not None}
 
 
-def configmap_data(settings: EngineSettings, seed: EngineSettings) -> dict[str, str]:
+def configmap_data(settings: EngineSettings, seed: EngineSettings, loras: Mapping[str, str]) -> dict[str, str]:
     return {
-        TUNING_FILE_KEY: json.dumps(engine_file(settings), sort_keys=True),
+        TUNING_FILE_KEY: json.dumps(engine_file(settings, loras), sort_keys=True),
         STATE_KEY: json.dumps({"current": settings.resource(), "seededFrom": seed.resource()}, sort_keys=True),
     }
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.engine.server.args import ArgsError, engine_overrides, load_chat_template, resolve_serve_args
-from kvpilot.engine_contract import TUNING_FILE_KEYS
+from kvpilot.engine_contract import TUNING_FILE_KEYS, TUNING_FILE_LORAS_KEY
 
 logger = logging.getLogger("kvpilot.serve")
 
@@ -20,7 +20,8 @@ class TuningFileError(ValueError):
 
 
 def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
-    """The persisted tuning values as engine flag names; None when the file does not exist.
+    """The persisted tuning values as engine flag names, and the LoRA adapters to load at start as
+    ``lora_modules`` (name -> folder); None when the file does not exist.
 
     The file is a JSON or YAML mapping (JSON is YAML). A folder is read as a
     mounted ConfigMap: one file per key.
@@ -44,6 +45,9 @@ def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
         )
     values: dict[str, Any] = {}
     for key, value in raw.items():
+        if key == TUNING_FILE_LORAS_KEY:
+            values["lora_modules"] = _lora_modules(path, value)
+            continue
         if key not in TUNING_FILE_KEYS:
             logger.warning("tuning file %s: ignoring unknown key %r (known: %s)", path, key,
                            ", ".join(TUNING_FILE_KEYS))
@@ -59,6 +63,17 @@ def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
             raise TuningFileError(f"tuning file {path}: {key} must be {expected}, got {value!r}")
         values[TUNING_FILE_KEYS[key]] = value
     return values
+
+
+def _lora_modules(path: Path, value: Any) -> dict[str, str]:
+    entries = value if isinstance(value, list) else [value]
+    modules = {}
+    for entry in entries:
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("path"), str)):
+            raise TuningFileError(f"tuning file {path}: {TUNING_FILE_LORAS_KEY} must be a list of {{name, path}}, "
+                                  f"got {entry!r}")
+        modules[entry["name"]] = entry["path"]
+    return modules
 
 
 def _checked_chat_template(value: str) -> str:

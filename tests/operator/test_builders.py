@@ -269,3 +269,48 @@ def test_a_memory_limit_reaches_the_engine_so_the_memory_fraction_sizes_a_cpus_k
     assert container["resources"]["limits"]["memory"] == "8Gi"
     unlimited = _engine(_children({"model": {"uri": "pvc://models/llama"}}).deployment)
     assert all(env["name"] != "KVPILOT_CPU_MEMORY_LIMIT" for env in unlimited["env"])
+
+
+def test_lora_adapters_mount_once_per_claim_or_directory_and_reach_the_engine_through_the_tuning_file():
+    children = _children({
+        "model": {"uri": "pvc://models/llama-3-8b"},
+        "engine": {"maxLoras": 2, "maxLoraRank": 32},
+        "loras": [{"name": "sql", "uri": "pvc://adapters/llama/sql"},
+                  {"name": "chat", "uri": "pvc://adapters/llama/chat"},
+                  {"name": "local", "uri": "file:///srv/adapters/local"},
+                  {"name": "hub", "uri": "hf://org/hub-lora", "revision": "v2"}],
+    })
+    pod = children.deployment["spec"]["template"]["spec"]
+    args = _engine(children.deployment)["args"]
+    assert "--enable-lora" in args and _flag(args, "--max-loras") == "2" and _flag(args, "--max-lora-rank") == "32"
+    lora_volumes = [v for v in pod["volumes"] if v["name"].startswith("lora-")]
+    assert sorted(next(iter(k for k in v if k != "name")) for v in lora_volumes) == [
+        "emptyDir", "hostPath", "persistentVolumeClaim"]  # both adapters on the claim share its volume
+    (claim,) = [v for v in lora_volumes if "persistentVolumeClaim" in v]
+    assert claim["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+    (directory,) = [v for v in lora_volumes if "hostPath" in v]
+    assert directory["hostPath"] == {"path": "/srv/adapters", "type": "Directory"}
+    (download,) = pod["initContainers"]
+    assert download["args"] == ["download", "org/hub-lora", "--local-dir", download["volumeMounts"][0]["mountPath"],
+                                "--revision", "v2"]
+    mounts = {m["name"]: m["mountPath"] for m in _engine(children.deployment)["volumeMounts"]}
+    modules = json.loads(children.configmap["data"]["tuning.json"])["loraModules"]
+    paths = {m["name"]: m["path"] for m in modules}
+    assert paths["sql"] == f"{mounts[claim['name']]}/llama/sql" and paths["chat"] == f"{mounts[claim['name']]}/llama/chat"
+    assert paths["local"] == f"{mounts[directory['name']]}/local"
+    assert paths["hub"] == mounts[download["volumeMounts"][0]["name"]]
+
+
+def test_an_adapter_beside_mounted_ones_changes_the_tuning_file_and_not_the_pod_template():
+    base = {"model": {"uri": "pvc://models/llama"}, "loras": [{"name": "sql", "uri": "pvc://adapters/sql"},
+                                                               {"name": "a", "uri": "file:///srv/adapters/a"}]}
+    more = {**base, "loras": [*base["loras"], {"name": "chat", "uri": "pvc://adapters/chat"},
+                              {"name": "b", "uri": "file:///srv/adapters/b"}]}
+    before, after = _children(base), _children(more)
+    assert before.deployment == after.deployment
+    assert before.configmap != after.configmap
+    elsewhere = _children({**base, "loras": [*base["loras"], {"name": "c", "uri": "file:///opt/other/c"}]})
+    assert elsewhere.deployment != before.deployment  # a new directory is a new volume: the pods roll
+    without = _children({"model": {"uri": "pvc://models/llama"}})
+    assert "--enable-lora" not in _engine(without.deployment)["args"]
+    assert "loraModules" not in json.loads(without.configmap["data"]["tuning.json"])

@@ -35,4 +35,4 @@ def test_the_engine_pod_speaks_the_engines_names():
     assert container["ports"][0]["containerPort"] == contract.ENGINE_PORT
     assert container["readinessProbe"]["httpGet"]["path"] == contract.HEALTH_PATH
     # Everything the operator persists for the engine is a key the engine's tuning file takes.
-    assert set(tuning_configmap.engine_file(EngineSettings(max_num_batched_tokens=64))) <= set(contract.TUNING_FILE_KEYS)
+    assert set(tuning_configmap.engine_file(EngineSettings(max_num_batched_tokens=64), {})) <= set(contract.TUNING_FILE_KEYS)

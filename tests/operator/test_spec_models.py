@@ -70,7 +70,7 @@ def test_every_rule_message_is_covered_by_an_invalid_case():
     """Each CEL rule must have a case, so the e2e test proves the API server says the same."""
     messages = {c["message"] for c in INVALID}
     models = [spec.ModelSource, spec.Resources, spec.EngineParams, spec.MaxNumSeqsBounds,
-              spec.MemoryFractionBounds, spec.Tuning, spec.Autoscaling, spec.InferenceServiceSpec]
+              spec.MemoryFractionBounds, spec.Tuning, spec.Autoscaling, spec.LoRASource, spec.InferenceServiceSpec]
     for model in models:
         for rule in model.rules:
             assert any(m in rule.message for m in messages), f"no invalid case for: {rule.message}"
@@ -112,11 +112,14 @@ def test_full_example_sets_every_spec_field():
             if alias not in values:
                 yield prefix + alias
             else:
+                value = values[alias]
+                value = value[0] if isinstance(value, list) and value else value  # a list's fields: its first item's
                 for candidate in (field.annotation, *typing.get_args(field.annotation)):
                     if isinstance(candidate, type) and issubclass(candidate, spec.SpecModel):
-                        yield from unset(candidate, values[alias], f"{prefix}{alias}.")
+                        yield from unset(candidate, value, f"{prefix}{alias}.")
 
     missing = [f for f in unset(spec.InferenceServiceSpec, doc["spec"], "spec.")
                if f not in ("spec.model.revision", "spec.model.tokenSecret",  # hf:// only
+                            "spec.loras.revision", "spec.loras.tokenSecret",
                             "spec.engine.speculative.model")]  # method: draft_model only (full.yaml's is ngram)
     assert missing == []

@@ -14,16 +14,19 @@ TUNED = {"model": {"uri": "pvc://m"}, "engine": {"maxNumSeqs": 32},
 
 def _stored(parsed, **changes):
     seed = EngineSettings.of(parsed.engine)
-    return tuning_configmap.configmap_data(seed.replace(**changes), seed)
+    return tuning_configmap.configmap_data(seed.replace(**changes), seed, {})
 
 
 def test_engine_file_is_what_kvpilot_serve_reads(tmp_path):
     data = tuning_configmap.configmap_data(EngineSettings(max_num_seqs=48, max_num_batched_tokens=4096),
-                                           EngineSettings(max_num_seqs=32, max_num_batched_tokens=4096))
-    assert json.loads(data["tuning.json"]) == {"maxNumSeqs": 48, "maxNumBatchedTokens": 4096}
+                                           EngineSettings(max_num_seqs=32, max_num_batched_tokens=4096),
+                                           {"sql": "/mnt/loras/a/sql"})
+    assert json.loads(data["tuning.json"]) == {"maxNumSeqs": 48, "maxNumBatchedTokens": 4096,
+                                               "loraModules": [{"name": "sql", "path": "/mnt/loras/a/sql"}]}
     path = tmp_path / "tuning.json"
     path.write_text(data["tuning.json"])
-    assert load_tuning_file(path) == {"max_num_seqs": 48, "max_num_batched_tokens": 4096}
+    assert load_tuning_file(path) == {"max_num_seqs": 48, "max_num_batched_tokens": 4096,
+                                      "lora_modules": {"sql": "/mnt/loras/a/sql"}}
 
 
 def test_without_a_configmap_the_spec_is_the_state():
