@@ -4,13 +4,15 @@ The gateway's whole view of the cluster is this table, rebuilt from what the
 watches last saw (``discovery.py``). A model is routable as soon as its
 InferenceService exists, even with no Ready pod (requests for it are held while
 it starts or wakes from zero). Two services serving one name: the oldest wins,
-so every gateway replica chooses the same one.
+so every gateway replica chooses the same one. Each LoRA adapter of a service
+(spec.loras) is a model of its own, routed to that service's pods, less those
+where the operator saw it fail to load (status.loras).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpilot import kube_contract as kube
@@ -35,6 +37,7 @@ class Route:
     replicas: int  # its spec.replicas (0: scaled to zero)
     backends: tuple[Backend, ...]  # Ready and not terminating, sorted by key
     created: str  # metadata.creationTimestamp (RFC 3339)
+    parent: str | None = None  # for a LoRA adapter: the served name of the model it runs on
 
 
 def served_name(service: dict[str, Any]) -> str:
@@ -70,7 +73,7 @@ def build_routes(services: Iterable[dict[str, Any]], pods: Iterable[dict[str, An
         if model in routes:
             continue
         namespace, name = meta["namespace"], meta["name"]
-        routes[model] = Route(
+        base = Route(
             model=model,
             namespace=namespace,
             service=name,
@@ -78,7 +81,23 @@ def build_routes(services: Iterable[dict[str, Any]], pods: Iterable[dict[str, An
             backends=backends_of(namespace, name, pods),
             created=meta.get("creationTimestamp") or "",
         )
+        routes[model] = base
+        failed = _failed_adapters(service)
+        for lora in (service.get("spec") or {}).get("loras") or []:
+            adapter = lora.get("name")
+            if adapter and adapter not in routes:
+                cannot = failed.get(adapter, set())
+                routes[adapter] = replace(base, model=adapter, parent=model,
+                                          backends=tuple(b for b in base.backends if b.key not in cannot))
     return routes
+
+
+def _failed_adapters(service: dict[str, Any]) -> dict[str, set[str]]:
+    """Adapter name -> the NAMESPACE/POD keys where the operator saw it fail to load."""
+    namespace = service["metadata"]["namespace"]
+    return {entry.get("name"): {f"{namespace}/{pod.get('pod')}" for pod in entry.get("pods") or []
+                                if pod.get("state") == "Failed"}
+            for entry in (service.get("status") or {}).get("loras") or []}
 
 
 def engine_pod_selector() -> str:

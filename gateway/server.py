@@ -56,7 +56,7 @@ def build_app(settings: GatewaySettings, table: RouteTable, waker: Waker | None 
         await session.close()
 
     async def models(_: web.Request) -> web.Response:
-        data = [{"id": route.model, "object": "model", "owned_by": "kvpilot",
+        data = [{"id": route.model, "object": "model", "owned_by": "kvpilot", "parent": route.parent,
                  "namespace": route.namespace, "service": route.service, "replicas": route.replicas,
                  "ready_replicas": len(route.backends)}
                 for route in sorted(table.routes.values(), key=lambda r: r.model)]

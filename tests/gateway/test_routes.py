@@ -76,3 +76,19 @@ def test_the_pod_selector_matches_the_operators_engine_pods():
     for term in engine_pod_selector().split(","):
         key, value = term.split("=")
         assert labels[key] == value
+
+
+def test_each_lora_adapter_routes_to_its_base_services_pods_less_those_it_failed_on():
+    service = _service("llama", served="llama3")
+    service["spec"]["loras"] = [{"name": "sql", "uri": "pvc://a/sql"}, {"name": "chat", "uri": "pvc://a/chat"},
+                                {"name": "qwen", "uri": "pvc://a/qwen"}]
+    service["status"] = {"loras": [{"name": "sql", "pods": [{"pod": "llama-1", "state": "Loaded"},
+                                                            {"pod": "llama-2", "state": "Failed", "message": "r=64"}]}]}
+    routes = build_routes([service, _service("qwen", created="2026-01-02T00:00:00Z")],
+                          [_pod("llama-1", "llama", "10.0.0.1"), _pod("llama-2", "llama", "10.0.0.2"),
+                           _pod("qwen-1", "qwen", "10.0.0.3")])
+    assert routes["sql"].service == "llama" and routes["sql"].parent == "llama3"
+    assert [b.key for b in routes["sql"].backends] == ["ml/llama-1"]
+    assert [b.key for b in routes["chat"].backends] == ["ml/llama-1", "ml/llama-2"]
+    assert routes["qwen"].parent == "llama3"  # the older service's adapter keeps the contested name
+    assert routes["llama3"].parent is None
