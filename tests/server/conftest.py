@@ -71,6 +71,7 @@ class StepGate:
     def close_after(self, steps: int) -> None:
         with self._changed:
             self._allowed = steps
+            self._held = steps == 0 and self._held  # a thread let through is no longer held
             self._changed.notify_all()
 
     def wait_held(self, timeout: float = 60.0) -> None:
