@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # 10 s of overload, by design
 
 OVERLOAD_SECONDS = float(os.environ.get("KVPILOT_OVERLOAD_SECONDS", "10"))
 MAX_NUM_SEQS = 4
