@@ -11,6 +11,7 @@ then use the cluster running there (starting it if needed) and leave it up.
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import tempfile
@@ -150,10 +151,21 @@ def acquire() -> ClusterHandle:
         _owned = not reuse
         state_dir = Path(reuse) if reuse else Path(tempfile.mkdtemp(prefix="kvpilot-local-cluster-"))
         cluster = LocalCluster(state_dir)
-        result = cluster.up()
+        result = cluster.up()  # an interrupted start stops what it started
         _shared = ClusterHandle(cluster, result.record, result.seconds)
+        atexit.register(_down_if_left)
     _users += 1
     return _shared
+
+
+def _down_if_left() -> None:
+    """At interpreter exit: stops an owned cluster whose users never released it (a teardown cut short by a
+    second Ctrl-C, a session that ended before its fixtures' teardown): its processes run in their own
+    sessions and would outlive the run."""
+    global _shared
+    if _shared is not None and _owned:
+        handle, _shared = _shared, None
+        handle.down()
 
 
 def release() -> list[str]:
@@ -162,7 +174,9 @@ def release() -> list[str]:
     _users -= 1
     if _users > 0 or _shared is None:
         return []
-    handle, _shared = _shared, None
-    if not _owned:
-        return []  # a cluster the developer asked to reuse stays up
-    return handle.down()
+    handle = _shared
+    # A cluster the developer asked to reuse stays up.
+    leftovers = handle.down() if _owned else []
+    _shared = None  # only now: a down() cut short is finished at exit
+    atexit.unregister(_down_if_left)
+    return leftovers

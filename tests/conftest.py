@@ -8,6 +8,7 @@ kernel module is imported, which is why it is set here, at collection time.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -23,6 +24,19 @@ os.environ.setdefault("KVPILOT_TOKENIZER_CACHE", tempfile.mkdtemp(prefix="kvpilo
 import pytest  # noqa: E402  (the environment flag above must be set first)
 
 MODEL_ARCHS = ("llama", "mistral", "qwen2")
+
+
+def _interrupt_on_sigterm(signum, frame):
+    # Further SIGTERMs wait for the teardown they would otherwise cut short (SIGKILL still ends it).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def pytest_configure(config):
+    """SIGTERM (a cancelled CI job, `kill`) ends the run as Ctrl-C does: with KeyboardInterrupt, so every
+    fixture's teardown still runs and the local cluster's processes, which run in their own sessions, do
+    not outlive the run (tests/test_interrupted_run.py)."""
+    signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 
 @pytest.fixture(scope="module")

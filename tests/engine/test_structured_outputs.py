@@ -137,6 +137,7 @@ def test_llm_chat_renders_the_template_and_takes_a_constraint(llm):
     assert offered[0].prompt == "paint;Pick a colour."
 
 
+@pytest.mark.slow
 def test_constraints_need_no_cxx_compiler(tiny_model_dir, tmp_path):
     """The image has no C++ compiler: masking must not go through torch.compile (llguidance's own
     apply_token_bitmask_inplace does, and killed the engine loop in the image)."""

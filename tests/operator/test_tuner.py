@@ -446,6 +446,7 @@ def test_a_ttft_made_of_prefill_sets_the_batch_like_an_itl_slo(start):
     assert reversals(seqs[-8:]) == 0, seqs
 
 
+@pytest.mark.slow
 def test_the_fixed_load_goal_over_simulated_engines():
     """benchmarks/tuning.py's goal (90% of the oracle within 8 intervals, holding, at most one
     reversal) on five simulated engines, from 2 and from 256 (with and without the batch filling up

@@ -8,7 +8,7 @@ import torch
 
 from kvpilot.engine.quantization.linear import QuantizedLinear
 from kvpilot.engine.quantization.packed import PackedWeight
-from kvpilot.kernels import cpu_int8_matmul
+from kvpilot.kernels import cpu_int8_matmul, cpu_quant_matmul
 
 
 def random_weight(n: int, k: int, bits: int, group_size: int = 32) -> PackedWeight:
@@ -68,3 +68,42 @@ def test_weights_no_faster_kernel_takes_stay_on_the_c_kernel(bits, n, dtype, int
     linear = QuantizedLinear(random_weight(n, 64, bits), dtype, torch.device("cpu"))
     assert linear.repack_for_cpu() == "kvpilot" == linear.layout
     assert linear(torch.randn(2, 64).to(dtype)).shape == (2, n)
+
+
+def _strided_activations(k: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Activations laid out as a model's views can leave them: never contiguous, each [..., k]."""
+    gen = torch.Generator().manual_seed(k)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    return {
+        "transposed": randn(k, 5).t(),  # strides (1, 5)
+        "column slice": randn(5, k + 40)[:, 24:24 + k],  # rows k + 40 apart
+        "every other row": randn(10, k)[::2],
+        "permuted 3-D": randn(3, k, 2).permute(0, 2, 1),  # [3, 2, k], strides (2k, 1, 2)
+        "one row of a transpose": randn(k, 4).t()[1:2],  # [1, k]: a decode step's shape
+    }
+
+
+@pytest.mark.parametrize(("route", "bits", "dtype"), [
+    ("kvpilot", 4, torch.float32), ("kvpilot", 8, torch.bfloat16), ("reference", 4, torch.float32),
+    ("w4a8", 4, torch.float32), ("w8a8", 8, torch.bfloat16), ("torch-int4", 4, torch.bfloat16),
+], ids=str)  # fmt: skip
+def test_non_contiguous_activations_give_the_products_of_their_contiguous_copy(route, bits, dtype, monkeypatch):
+    if route == "reference":  # what a CPU without a C compiler gets
+        monkeypatch.setattr(cpu_quant_matmul, "usable", lambda x, bits, group_size: False)
+    if route == "torch-int4":
+        monkeypatch.setattr(cpu_int8_matmul, "load_kernel", lambda bits, group_size: None)
+    linear = QuantizedLinear(random_weight(96, 256, bits), dtype, torch.device("cpu"))
+    if route in ("w4a8", "w8a8", "torch-int4"):
+        if linear.repack_for_cpu() != route:
+            pytest.skip(f"the {route} kernel does not run on this CPU")
+    elif route == "kvpilot" and linear._cpu_matmul is None:
+        pytest.skip("kvpilot's C kernel is not built here (no C compiler)")
+    for name, x in _strided_activations(256, dtype).items():
+        assert not x.is_contiguous(), name
+        if route == "reference":  # torch's matmul may sum in another order for another layout
+            torch.testing.assert_close(linear(x), linear(x.contiguous()), msg=name)
+        else:  # the kernels read one layout: the same bytes in, the same bytes out
+            assert torch.equal(linear(x), linear(x.contiguous())), name

@@ -43,6 +43,55 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
+class StepGate:
+    """Holds the engine thread before a step, so a test decides when generation moves on however fast or
+    slow the machine is. ``close_after(n)`` lets ``n`` more steps run, then the thread waits before the
+    next one (``wait_held()`` returns once it does) until ``open()``. The engine thread takes its commands
+    (adds, aborts) between steps, so those queued while it is held are applied right after the held step.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._step = engine.step
+        self._changed = threading.Condition()
+        self._allowed: int | None = None  # steps still allowed; None: open
+        self._held = False
+
+    def step(self) -> Any:
+        """Stands in for ``engine.step`` (the engine thread calls it)."""
+        with self._changed:
+            while self._allowed == 0:
+                self._held = True
+                self._changed.notify_all()
+                self._changed.wait()
+            self._held = False
+            if self._allowed is not None:
+                self._allowed -= 1
+        return self._step()
+
+    def close_after(self, steps: int) -> None:
+        with self._changed:
+            self._allowed = steps
+            self._held = steps == 0 and self._held  # a thread let through is no longer held
+            self._changed.notify_all()
+
+    def wait_held(self, timeout: float = 60.0) -> None:
+        with self._changed:
+            assert self._changed.wait_for(lambda: self._held, timeout), "the engine never reached the gate"
+
+    def open(self) -> None:
+        with self._changed:
+            self._allowed = None
+            self._changed.notify_all()
+
+
+def wait_until(predicate: Any, what: str, timeout: float = 60.0) -> None:
+    """Polls ``predicate`` until it holds; the deadline only turns a hang into a failure naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
 def _listening_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -95,6 +144,23 @@ def live_server_factory(tiny_model_dir):
     yield start
     for live in started:
         live.stop()
+
+
+@pytest.fixture
+def step_gate(monkeypatch):
+    """``step_gate(live)``: a StepGate on that server's engine (open until closed), removed, and so
+    opened, at the test's end."""
+    gates: list[StepGate] = []
+
+    def install(live: LiveServer) -> StepGate:
+        gate = StepGate(live.engine)
+        monkeypatch.setattr(live.engine, "step", gate.step)
+        gates.append(gate)
+        return gate
+
+    yield install
+    for gate in gates:
+        gate.open()
 
 
 @pytest.fixture(scope="module")

@@ -301,6 +301,7 @@ def test_generated_bodies_left_the_engine_serving(live, http):
 # --- schemathesis ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_schemathesis_every_endpoint_of_the_openapi_schema(live, tally, mode):
     """Requests generated from the server's own OpenAPI schema, valid ones and ones that break it, for

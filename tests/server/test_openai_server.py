@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import openai
@@ -12,6 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot import engine_contract as names
+
+from .conftest import wait_until
 
 API_KEY = "test-key"
 ADMIN_TOKEN = "admin-token"
@@ -317,39 +318,44 @@ def test_health_and_metrics_content_type(http):
     assert http.get("/metrics").headers["content-type"].startswith("text/plain")
 
 
-def test_stream_disconnect_frees_blocks(live, http):
+def test_stream_disconnect_frees_blocks(live, http, step_gate):
     before = live.wait_idle().generation_tokens_total
     aborted_before = metric_values(http.get("/metrics").text)[f"{names.REQUEST_SUCCESS}{{abort}}"]
+    gate = step_gate(live)
+    gate.close_after(8)  # the request cannot run on to max_tokens while the client is still there
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
-            received = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
-            assert received
+            assert next(line for line in lines if line.startswith("data:"))
+            gate.wait_held()
             assert live.state.async_engine.stats().kv_cache_usage > 0
-    # Leaving the block closed the connection mid-generation.
-    stats = live.wait_idle(timeout=20)
+    # Leaving the block closed the connection mid-generation: the server aborts the request without
+    # waiting for the engine, which is still held.
+    wait_until(lambda: live.state.async_engine.num_in_flight == 0, "the server noticing the disconnect")
+    gate.open()
+    stats = live.wait_idle()
     assert stats.kv_cache_usage == 0.0
     assert stats.generation_tokens_total - before < 400  # did not run on to max_tokens
     aborted_after = metric_values(http.get("/metrics").text)[f"{names.REQUEST_SUCCESS}{{abort}}"]
     assert aborted_after == aborted_before + 1
 
 
-def test_non_streaming_disconnect_aborts(live):
-    live.wait_idle()
-    before = live.state.async_engine.stats().generation_tokens_total
+def test_non_streaming_disconnect_aborts(live, step_gate):
+    before = live.wait_idle().generation_tokens_total
+    gate = step_gate(live)
+    gate.close_after(2)  # a prefill and a decode step, then the engine waits for the test
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {API_KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     url = httpx.URL(live.url)
     with socket.create_connection((url.host, url.port)) as sock:
         sock.sendall(head + body)
-        # Hang up as soon as generation runs, however fast this machine makes 480 tokens.
-        deadline = time.monotonic() + 20
-        while live.state.async_engine.stats().generation_tokens_total == before:
-            assert time.monotonic() < deadline, "generation never started"
-            time.sleep(0.001)
-    stats = live.wait_idle(timeout=20)
+        gate.wait_held()
+        assert live.state.async_engine.stats().generation_tokens_total > before  # generation runs
+    wait_until(lambda: live.state.async_engine.num_in_flight == 0, "the server noticing the disconnect")
+    gate.open()
+    stats = live.wait_idle()
     assert stats.kv_cache_usage == 0.0
     assert stats.generation_tokens_total - before < 480
 

@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot import engine_contract as names
@@ -33,6 +34,7 @@ def _generated_tokens(url: str) -> float:
                 if sample.name == names.GENERATION_TOKENS)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_path, serve_process):
     tuning = tmp_path / "tuning.json"
     tuning.write_text(json.dumps({"maxNumSeqs": 3}))

@@ -7,6 +7,8 @@ import asyncio
 import httpx
 import pytest
 
+from .conftest import wait_until
+
 PROMPT = "Once upon a time"
 
 
@@ -16,21 +18,14 @@ def small(live_server_factory):
     return live_server_factory(max_waiting_requests=1, engine={"max_num_seqs": 1})
 
 
-async def _wait_for(predicate, timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.005)
-
-
-def test_full_waiting_queue_answers_429_then_recovers(small):
+def test_full_waiting_queue_answers_429_then_recovers(small, step_gate):
     engine = small.state.async_engine
+    gate = step_gate(small)
 
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=small.url, timeout=60) as client:
             running = {"prompt": PROMPT, "max_tokens": 80, "ignore_eos": True, "stream": True}
+            gate.close_after(2)  # the running request cannot finish and free its slot while the test looks
             async with client.stream("POST", "/v1/completions", json=running) as first:
                 lines = first.aiter_lines()
                 while not (await anext(lines)).startswith("data:"):
@@ -38,18 +33,26 @@ def test_full_waiting_queue_answers_429_then_recovers(small):
                 waiting = asyncio.create_task(
                     client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
                 )
-                await _wait_for(lambda: engine.num_waiting == 1)
+                await asyncio.to_thread(wait_until, lambda: engine.num_waiting == 1, "the second request queued")
+                # One more step: the engine thread takes the second request into its own waiting queue.
+                gate.close_after(1)
+                await asyncio.to_thread(gate.wait_held)
+                assert engine.num_waiting == 1 and engine.stats().num_waiting == 1
                 rejected = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
                 assert rejected.status_code == 429
                 assert int(rejected.headers["Retry-After"]) >= 1
                 assert rejected.json()["error"]["type"] == "rate_limit_error"
+                gate.open()
                 rest = [line async for line in lines if line.startswith("data:")]
                 assert rest[-1] == "data: [DONE]"
             assert (await waiting).status_code == 200
             later = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
             assert later.status_code == 200 and later.json()["usage"]["completion_tokens"] >= 1
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.open()
     assert httpx.get(f"{small.url}/health").status_code == 200
     assert small.wait_idle().kv_cache_usage == 0.0
 
@@ -94,9 +97,10 @@ def test_dead_engine_loop_turns_health_to_503(live_server_factory, monkeypatch):
     assert httpx.get(f"{doomed.url}/metrics").status_code == 200
 
 
-def test_drain_aborts_requests_that_outlive_the_grace_period(live_server_factory):
-    # 480 tokens take the tiny model about half a second on a fast core: far beyond 0.05 s.
+def test_drain_aborts_requests_that_outlive_the_grace_period(live_server_factory, step_gate):
     live = live_server_factory(shutdown_grace_period=0.05)
+    gate = step_gate(live)
+    gate.close_after(2)  # held there, the request outlives any grace period
     body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
@@ -104,7 +108,8 @@ def test_drain_aborts_requests_that_outlive_the_grace_period(live_server_factory
             pass
         drained = asyncio.run_coroutine_threadsafe(live.state.drain(), live.state.loop)
         rest = [line for line in lines if line.startswith("data:")]
-    drained.result(timeout=10)
+    drained.result(timeout=60)
+    gate.open()
     assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2]  # cut off, and told so
     assert live.wait_idle().kv_cache_usage == 0.0
     assert httpx.get(f"{live.url}/health").json() == {"status": "draining"}

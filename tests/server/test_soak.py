@@ -193,6 +193,7 @@ def _assert_every_block_back(live) -> None:
     assert all(block.block_hash == block_hash for block_hash, block in pool.cached.items())
 
 
+@pytest.mark.slow
 def test_soak_keeps_every_invariant_phase_after_phase(live, capsys, monkeypatch):
     rng = random.Random(0)
     totals: collections.Counter = collections.Counter()
