@@ -50,6 +50,11 @@ class IncrementalDetokenizer:
         return self._text
 
     @property
+    def emitted_text(self) -> str:
+        """The text ``pop_delta`` has handed out so far."""
+        return self._text[: self._emitted]
+
+    @property
     def stop_string(self) -> str | None:
         """The stop string that ended the output, once one has matched."""
         return self._stop_string
