@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
+
 logger = logging.getLogger(__name__)
 
 # How long the idle engine thread sleeps before re-checking for shutdown; new
@@ -53,13 +55,14 @@ class StepObserver(Protocol):
 class RequestStream:
     """The outputs of one engine request, as an async iterator that ends after the finished one.
 
-    Outputs are cumulative, so when a slow consumer falls behind only the newest
-    queued output matters: ``__anext__`` skips straight to it.
+    A consumer that falls behind gets what was queued in one output: the deltas joined (DELTA),
+    or the newest (CUMULATIVE, which holds all the others).
     """
 
-    def __init__(self, request_id: str, num_sequences: int = 1) -> None:
+    def __init__(self, request_id: str, params: SamplingParams) -> None:
         self.request_id = request_id
-        self.num_sequences = num_sequences  # the request's n
+        self.num_sequences = params.n
+        self._joins_deltas = params.output_kind is RequestOutputKind.DELTA
         self.finished = False
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -74,7 +77,11 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._queue.get()
         while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()
+            later = self._queue.get_nowait()
+            if self._joins_deltas and not isinstance(later, BaseException):
+                item.add(later)
+            else:
+                item = later
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -201,7 +208,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         assert self._loop is not None, "start() the engine first"
         future = self._loop.create_future()
-        stream = RequestStream(request_id, getattr(params, "n", 1))
+        stream = RequestStream(request_id, params)
         with self._wakeup:
             if (
                 self.max_waiting_requests is not None

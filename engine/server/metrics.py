@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -26,7 +26,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 @dataclass
 class _Progress:
-    num_tokens: int = 0  # tokens of the request's longest sequence seen so far
+    num_tokens: dict[int, int] = field(default_factory=dict)  # per sequence index: its tokens so far
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # per sequence index, once it ended
     last_token_time: float | None = None
     num_preemptions: int = 0
 
@@ -236,8 +237,13 @@ class ServerMetrics:
     def on_step(self, outputs: list[Any], now: float) -> None:
         for output in outputs:
             progress = self._progress.setdefault(output.request_id, _Progress())
-            num_tokens = max((len(seq.token_ids) for seq in output.outputs), default=0)
-            new_tokens = num_tokens - progress.num_tokens
+            longest_before = max(progress.num_tokens.values(), default=0)
+            for seq in output.outputs:  # deltas: the server asks for RequestOutputKind.DELTA
+                progress.num_tokens[seq.index] = progress.num_tokens.get(seq.index, 0) + len(seq.token_ids)
+                if seq.finish_reason is not None:
+                    progress.finish_reasons[seq.index] = seq.finish_reason
+            # A step's new tokens: how far the request's longest sequence grew.
+            new_tokens = max(progress.num_tokens.values(), default=0) - longest_before
             if new_tokens > 0:
                 if progress.last_token_time is None:
                     self._observe_first_token(output, now)
@@ -247,7 +253,6 @@ class ServerMetrics:
                     per_token = (now - progress.last_token_time) / new_tokens
                     for _ in range(new_tokens):
                         self.inter_token_latency.observe(per_token)
-                progress.num_tokens = num_tokens
                 progress.last_token_time = now
                 progress.num_preemptions = output.metrics.num_preemptions
             if output.finished:
@@ -255,8 +260,9 @@ class ServerMetrics:
                 metrics = output.metrics
                 finished = metrics.finished_time if metrics.finished_time is not None else now
                 self.e2e_request_latency.observe(max(finished - metrics.arrival_time, 0.0))
-                for seq in output.outputs:
-                    self.request_success.labels(self.model_name, seq.finish_reason or "abort").inc()
+                # Counted when the whole request ends: one aborted later counts all its sequences as aborted.
+                for reason in progress.finish_reasons.values():
+                    self.request_success.labels(self.model_name, reason).inc()
 
     def on_abort(self, request_id: str, num_sequences: int) -> None:
         self._progress.pop(request_id, None)

@@ -1,8 +1,8 @@
 """The serving logic behind /v1/completions and /v1/chat/completions.
 
 A request becomes prompt token ids (the chat template comes from the model's
-tokenizer) and SamplingParams, goes to the async engine, and its cumulative
-outputs become one OpenAI response or a stream of Server-Sent Events. Every
+tokenizer) and SamplingParams, goes to the async engine, and its delta outputs
+(RequestOutputKind.DELTA) become one OpenAI response or a stream of Server-Sent Events. Every
 method returns a response model, an ``ErrorResult`` or an async iterator of SSE
 lines; it never raises for a client's mistake.
 """
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.engine.request import InvalidRequestError
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.server import protocol as p
 from kvpilot.engine.server import tool_calls
 from kvpilot.engine.structured_outputs import GrammarCompiler, StructuredOutputsParams
@@ -300,6 +301,7 @@ class OpenAIServing:
             "logprobs": logprobs,
             "skip_special_tokens": request.skip_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
+            "output_kind": RequestOutputKind.DELTA,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):  # fmt: skip
@@ -373,11 +375,14 @@ class OpenAIServing:
     async def _collect(
         self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Any]
     ) -> Any:
-        finals: list[Any] = [None] * len(streams)
+        finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             async with _AbortOnDisconnect(self.engine, streams, until_disconnected):
                 async for index, output in _merge(streams):
-                    finals[index] = output
+                    if (so_far := finals[index]) is None:
+                        finals[index] = output
+                    else:
+                        so_far.add(output)
         except EngineDeadError as exc:
             return error(503, str(exc), code="engine_dead", err_type="server_error")
         except RequestAbortedError as exc:
@@ -509,7 +514,7 @@ class _AbortOnDisconnect:
 
 
 class _ResponseBuilder(abc.ABC):
-    """Turns cumulative engine outputs into one response or into stream chunks."""
+    """Turns the engine's delta outputs into stream chunks, or their sum into one response."""
 
     def __init__(self, serving: OpenAIServing, request: Any, request_id: str, prompts: list[_PromptInput]) -> None:
         self.serving = serving
@@ -518,23 +523,20 @@ class _ResponseBuilder(abc.ABC):
         self.prompts = prompts
         self.n = request.n
         self.created = int(time.time())
-        stop = request.stop
-        self.stops: tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        # Per choice (prompt index * n + sequence index): what was already streamed.
+        # Per choice (prompt index * n + sequence index): characters streamed so far, and a delta
+        # without text (a partial character, text the engine holds back) waiting for the next one.
         self._sent_text: dict[int, int] = {}
-        self._sent_tokens: dict[int, int] = {}
-        self._finished: set[int] = set()
-        self._last: dict[int, Any] = {}  # latest RequestOutput per prompt, for usage
+        self._held: dict[int, CompletionOutput] = {}
+        self._completion_tokens = 0
+        self._cached_tokens: dict[int, int] = {}  # per prompt
 
-    def usage(self, finals: list[Any]) -> p.UsageInfo:
+    def usage(self, completion_tokens: int, cached_tokens: int) -> p.UsageInfo:
         prompt_tokens = sum(len(prompt.token_ids) for prompt in self.prompts)
-        completion = sum(len(seq.token_ids) for out in finals if out is not None for seq in out.outputs)
-        cached = sum(out.num_cached_tokens for out in finals if out is not None)
         return p.UsageInfo(
             prompt_tokens=prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=prompt_tokens + completion,
-            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
     def include_usage(self) -> bool:
@@ -543,53 +545,37 @@ class _ResponseBuilder(abc.ABC):
     def first_chunks(self) -> list[Any]:
         return []
 
-    def chunks(self, prompt_index: int, output: Any) -> list[Any]:
-        """Chunks for what is new in ``output`` (cumulative) since the last call."""
-        self._last[prompt_index] = output
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[Any]:
+        """Chunks for the delta ``output``."""
+        self._cached_tokens[prompt_index] = output.num_cached_tokens
         chunks = []
         for seq in output.outputs:
+            self._completion_tokens += len(seq.token_ids)
             choice = prompt_index * self.n + seq.index
-            if choice in self._finished:
+            if (held := self._held.pop(choice, None)) is not None:
+                held.add(seq)
+                seq = held
+            if not seq.text and seq.finish_reason is None:
+                self._held[choice] = seq
                 continue
-            sent_text = self._sent_text.get(choice, 0)
-            stable_end = len(seq.text)
-            if seq.finish_reason is None:
-                stable_end -= self._possible_stop_prefix_len(seq.text[sent_text:])
-            delta_text = seq.text[sent_text:stable_end]
-            if not delta_text and seq.finish_reason is None:
-                continue  # tokens without text yet (a partial character, a possible stop string)
-            sent_tokens = self._sent_tokens.get(choice, 0)
-            if (chunk := self.delta_chunk(choice, prompt_index, seq, delta_text, sent_tokens)) is not None:
+            if (chunk := self.delta_chunk(choice, prompt_index, seq)) is not None:
                 chunks.append(chunk)
-            self._sent_text[choice] = stable_end
-            self._sent_tokens[choice] = len(seq.token_ids)
-            if seq.finish_reason is not None:
-                self._finished.add(choice)
+            self._sent_text[choice] = self._sent_text.get(choice, 0) + len(seq.text)
         return chunks
-
-    def _possible_stop_prefix_len(self, unsent: str) -> int:
-        """Length of the longest tail of ``unsent`` that a stop string starts with.
-
-        The engine's text drops a stop string only once it has fully appeared, so
-        a tail that may still grow into one is held back: streamed text is then
-        always a prefix of the final text.
-        """
-        if self.request.include_stop_str_in_output or not self.stops:
-            return 0
-        for length in range(min(len(unsent), max(map(len, self.stops)) - 1), 0, -1):
-            if any(stop.startswith(unsent[-length:]) for stop in self.stops):
-                return length
-        return 0
 
     def final_usage_chunk(self) -> Any | None:
         if not self.include_usage():
             return None
-        return self.chunk_model(choices=[], usage=self.usage(list(self._last.values())))
+        usage = self.usage(self._completion_tokens, sum(self._cached_tokens.values()))
+        return self.chunk_model(choices=[], usage=usage)
+
+    def final_usage(self, finals: list[RequestOutput]) -> p.UsageInfo:
+        completion_tokens = sum(len(seq.token_ids) for output in finals for seq in output.outputs)
+        return self.usage(completion_tokens, sum(output.num_cached_tokens for output in finals))
 
     @abc.abstractmethod
-    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any | None:
-        """The chunk carrying ``delta_text`` and the logprobs of tokens from ``sent_tokens`` on (None:
-        nothing to send yet)."""
+    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> Any | None:
+        """The chunk carrying the delta ``seq``'s text and logprobs (None: nothing to send yet)."""
 
     @abc.abstractmethod
     def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> Any:
@@ -607,12 +593,12 @@ class _CompletionBuilder(_ResponseBuilder):
         prompt = self.prompts[prompt_index]
         return prompt.text if prompt.text is not None else self.serving.tokenizer.decode(prompt.token_ids)
 
-    def _logprobs(self, seq: Any, start: int, text_offset: int) -> p.CompletionLogprobs | None:
+    def _logprobs(self, seq: CompletionOutput, text_offset: int) -> p.CompletionLogprobs | None:
         if self.request.logprobs is None or seq.logprobs is None:
             return None
         result = p.CompletionLogprobs()
         offset = text_offset
-        for token_id, top in zip(seq.token_ids[start:], seq.logprobs[start:], strict=True):
+        for token_id, top in zip(seq.token_ids, seq.logprobs, strict=True):
             token = self.serving.token_text(token_id)
             result.tokens.append(token)
             result.token_logprobs.append(_finite(top.get(token_id)))
@@ -621,15 +607,15 @@ class _CompletionBuilder(_ResponseBuilder):
             offset += len(token)
         return result
 
-    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any:
+    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> Any:
         prefix = self._echo_prefix(prompt_index, choice)
         offset = self._sent_text.get(choice, 0)
         return self.chunk_model(
             [
                 p.CompletionChoice(
                     index=choice,
-                    text=prefix + delta_text,
-                    logprobs=self._logprobs(seq, sent_tokens, offset + len(prefix)),
+                    text=prefix + seq.text,
+                    logprobs=self._logprobs(seq, offset + len(prefix)),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
@@ -651,7 +637,7 @@ class _CompletionBuilder(_ResponseBuilder):
                     p.CompletionChoice(
                         index=choice,
                         text=prefix + seq.text,
-                        logprobs=self._logprobs(seq, 0, len(prefix)),
+                        logprobs=self._logprobs(seq, len(prefix)),
                         finish_reason=seq.finish_reason,
                         stop_reason=seq.stop_reason,
                     )
@@ -662,7 +648,7 @@ class _CompletionBuilder(_ResponseBuilder):
             created=self.created,
             model=self.serving.model.served_name,
             choices=choices,
-            usage=self.usage(finals),
+            usage=self.final_usage(finals),
         )
 
 
@@ -684,9 +670,9 @@ class _ChatBuilder(_ResponseBuilder):
         parsed.calls = [call for call in parsed.calls if call.name]  # unnamed ones are not calls (yet)
         return parsed
 
-    def _tool_delta(self, choice: int, seq: Any, delta_text: str) -> tuple[p.DeltaMessage, str | None]:
+    def _tool_delta(self, choice: int, seq: CompletionOutput) -> tuple[p.DeltaMessage, str | None]:
         """What the parser makes of the text so far, less what was sent, and the finish reason."""
-        text = self._text[choice] = self._text.get(choice, "") + delta_text
+        text = self._text[choice] = self._text.get(choice, "") + seq.text
         parsed = self._parse(text, seq.finish_reason is not None)
         sent_content = self._sent_content.get(choice, 0)
         content = parsed.content[sent_content:]
@@ -707,15 +693,15 @@ class _ChatBuilder(_ResponseBuilder):
         return delta, self._finish_reason(seq, parsed)
 
     @staticmethod
-    def _finish_reason(seq: Any, parsed: tool_calls.Parsed) -> str | None:
+    def _finish_reason(seq: CompletionOutput, parsed: tool_calls.Parsed) -> str | None:
         return "tool_calls" if parsed.calls and seq.finish_reason == "stop" else seq.finish_reason
 
-    def _logprobs(self, seq: Any, start: int) -> p.ChatLogprobs | None:
+    def _logprobs(self, seq: CompletionOutput) -> p.ChatLogprobs | None:
         if not self.request.logprobs or seq.logprobs is None:
             return None
         k = self.request.top_logprobs or 0
         content = []
-        for token_id, top in zip(seq.token_ids[start:], seq.logprobs[start:], strict=True):
+        for token_id, top in zip(seq.token_ids, seq.logprobs, strict=True):
             best = sorted(top.items(), key=lambda item: item[1], reverse=True)[:k]
             content.append(
                 p.ChatTokenLogprob(
@@ -736,20 +722,20 @@ class _ChatBuilder(_ResponseBuilder):
             for i in range(self.n)
         ]
 
-    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any:
+    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> Any:
         if self.parser is not None:
-            delta, finish_reason = self._tool_delta(choice, seq, delta_text)
+            delta, finish_reason = self._tool_delta(choice, seq)
             if delta == p.DeltaMessage() and finish_reason is None and not self.request.logprobs:
                 return None  # text held back while it may still be a call
         else:
-            delta = p.DeltaMessage(content=delta_text) if delta_text else p.DeltaMessage()
+            delta = p.DeltaMessage(content=seq.text) if seq.text else p.DeltaMessage()
             finish_reason = seq.finish_reason
         return self.chunk_model(
             [
                 p.ChatStreamChoice(
                     index=choice,
                     delta=delta,
-                    logprobs=self._logprobs(seq, sent_tokens),
+                    logprobs=self._logprobs(seq),
                     finish_reason=finish_reason,
                     stop_reason=seq.stop_reason,
                 )
@@ -774,14 +760,14 @@ class _ChatBuilder(_ResponseBuilder):
                 content = parsed.content.strip() if calls else parsed.content  # the space before a call
                 message = p.ChatResponseMessage(content=content or None, tool_calls=calls)
                 finish_reason = self._finish_reason(seq, parsed)
-            choices.append(p.ChatCompletionChoice(index=seq.index, message=message, logprobs=self._logprobs(seq, 0),
+            choices.append(p.ChatCompletionChoice(index=seq.index, message=message, logprobs=self._logprobs(seq),
                                                   finish_reason=finish_reason, stop_reason=seq.stop_reason))
         return p.ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.serving.model.served_name,
             choices=choices,
-            usage=self.usage(finals),
+            usage=self.final_usage(finals),
         )
 
 
