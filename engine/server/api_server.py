@@ -36,14 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvpilot.engine.server import protocol as p
 from kvpilot.engine.server.async_engine import AsyncLLMEngine, EngineDeadError
 from kvpilot.engine.server.metrics import ServerMetrics
-from kvpilot.engine.server.serving import (
-    ChatSettings,
-    ErrorResult,
-    ModelInfo,
-    OpenAIServing,
-    error,
-    param_from_message,
-)
+from kvpilot.engine.server.errors import ApiError
+from kvpilot.engine.server.serving import ChatSettings, ModelInfo, OpenAIServing, param_from_message
 from kvpilot.engine_contract import ADMIN_SCHEDULER_PATH, HEALTH_PATH, METRICS_PATH
 
 logger = logging.getLogger(__name__)
@@ -62,14 +56,6 @@ class ServerSettings:
     shutdown_grace_period: float = 30.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     chat: ChatSettings = ChatSettings()
-
-
-class ApiError(Exception):
-    """Raised by auth checks; rendered by the app's exception handler."""
-
-    def __init__(self, result: ErrorResult) -> None:
-        super().__init__(result.body.error.message)
-        self.result = result
 
 
 class ServerState:
@@ -169,9 +155,9 @@ def _bearer_token(request: Request) -> str | None:
 def _check_token(request: Request, expected: str, what: str) -> None:
     token = _bearer_token(request)
     if token is None:
-        raise ApiError(error(401, f"Missing {what}: send the header `Authorization: Bearer <{what}>`."))
+        raise ApiError(401, f"Missing {what}: send the header `Authorization: Bearer <{what}>`.")
     if not hmac.compare_digest(token.encode(), expected.encode()):
-        raise ApiError(error(401, f"Invalid {what}.", code="invalid_api_key"))
+        raise ApiError(401, f"Invalid {what}.", code="invalid_api_key")
 
 
 class RequestBodyLimit:
@@ -190,7 +176,7 @@ class RequestBodyLimit:
             return
         announced = dict(scope["headers"]).get(b"content-length", b"")
         if announced.isdigit() and int(announced) > self.limit:
-            await _render(body_too_large(self.limit))(scope, receive, send)
+            await body_too_large(self.limit).response()(scope, receive, send)
             return
         received = 0
 
@@ -207,9 +193,9 @@ class RequestBodyLimit:
         await self.app(scope, counting_receive, send)
 
 
-def body_too_large(limit: int) -> ErrorResult:
-    return error(413, f"The request body is larger than this server's limit of {limit} bytes "
-                      "(--max-request-bytes): send a shorter prompt or fewer prompts per request.")
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is larger than this server's limit of {limit} bytes "
+                         "(--max-request-bytes): send a shorter prompt or fewer prompts per request.")
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -219,8 +205,6 @@ async def _until_disconnected(request: Request) -> None:
 
 
 def _render(result: Any) -> Response:
-    if isinstance(result, ErrorResult):
-        return JSONResponse(result.body.model_dump(), status_code=result.status, headers=result.headers)
     if isinstance(result, AsyncIterator):
         return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return Response(result.model_dump_json(), media_type="application/json")
@@ -284,7 +268,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             try:
                 _check_token(request, settings.api_key, "API key")
             except ApiError as exc:
-                return await api_error(request, exc)
+                return exc.response()
         return await call_next(request)
 
     @app.middleware("http")
@@ -292,33 +276,29 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         on_admin_port = settings.admin_port is not None and _local_port(request) == settings.admin_port
         if request.url.path.startswith(ADMIN_PATH_PREFIX) != on_admin_port:
             if on_admin_port:
-                result = error(404, "Not found: this port serves only the admin API (/admin/v1/...).")
+                refusal = ApiError(404, "Not found: this port serves only the admin API (/admin/v1/...).")
             else:
-                result = error(404, "Not found: the admin API listens on its own port (--admin-port), "
-                                    "and only when the server has an --admin-token.")
-            return _render(result)
+                refusal = ApiError(404, "Not found: the admin API listens on its own port (--admin-port), "
+                                        "and only when the server has an --admin-token.")
+            return refusal.response()
         return await call_next(request)
 
     def require_admin(request: Request) -> None:
         if settings.admin_token is None:
-            raise ApiError(error(404, "Not found: the admin API is off (start the server with --admin-token)."))
+            raise ApiError(404, "Not found: the admin API is off (start the server with --admin-token).")
         _check_token(request, settings.admin_token, "admin token")
 
-    def refuse_if_unavailable() -> ErrorResult | None:
+    def refuse_if_unavailable() -> None:
         if state.draining:
-            return error(503, "The server is shutting down; send the request to another replica.",
-                         code="shutting_down")
+            raise ApiError(503, "The server is shutting down; send the request to another replica.",
+                           code="shutting_down")
         if state.async_engine.dead_error is not None:
-            return error(503, f"The engine has stopped: {state.async_engine.dead_error!r}",
-                         code="engine_dead", err_type="server_error")
-        return None
+            raise ApiError(503, f"The engine has stopped: {state.async_engine.dead_error!r}",
+                           code="engine_dead", error_type="server_error")
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
-        headers = dict(exc.result.headers)
-        if exc.result.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(exc.result.body.model_dump(), status_code=exc.result.status, headers=headers)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:
@@ -334,32 +314,27 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             message = f"{param}: this field is required"
         elif param and not message.startswith(param.split("[")[0].split(".")[0] + ":"):
             message = f"{param}: {message}"
-        body = p.ErrorResponse(error=p.ErrorInfo(message=message, type="invalid_request_error", param=param))
-        return JSONResponse(body.model_dump(), status_code=400)
+        return ApiError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 413:
-            return _render(body_too_large(settings.max_request_bytes))
-        result = error(exc.status_code, str(exc.detail))
-        return JSONResponse(result.body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+            return body_too_large(settings.max_request_bytes).response()
+        return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
-        result = error(500, f"Internal server error: {exc!r}")
-        return JSONResponse(result.body.model_dump(), status_code=500)
+        return ApiError(500, f"Internal server error: {exc!r}").response()
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
-        if (refusal := refuse_if_unavailable()) is not None:
-            return _render(refusal)
+        refuse_if_unavailable()
         return _render(await state.serving.create_completion(body, lambda: _until_disconnected(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
-        if (refusal := refuse_if_unavailable()) is not None:
-            return _render(refusal)
+        refuse_if_unavailable()
         return _render(await state.serving.create_chat_completion(body, lambda: _until_disconnected(request)))
 
     @app.get("/v1/models")
@@ -388,18 +363,17 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def set_scheduler(body: p.SchedulerLimitsUpdate, request: Request) -> Response:
         require_admin(request)
         if body.max_num_seqs is None and body.max_num_batched_tokens is None and body.num_speculative_tokens is None:
-            return _render(error(400, "Give max_num_seqs, max_num_batched_tokens and/or num_speculative_tokens "
-                                      "to change."))
+            raise ApiError(400, "Give max_num_seqs, max_num_batched_tokens and/or num_speculative_tokens to change.")
         before = state.async_engine.stats()
         try:
             after = await state.async_engine.set_scheduler_limits(
                 body.max_num_seqs, body.max_num_batched_tokens, body.num_speculative_tokens
             )
         except EngineDeadError as exc:
-            return _render(error(503, str(exc), code="engine_dead", err_type="server_error"))
+            raise ApiError(503, str(exc), code="engine_dead", error_type="server_error") from None
         except ValueError as exc:
             candidates = ("max_num_batched_tokens", "max_num_seqs", "num_speculative_tokens")
-            return _render(error(400, str(exc), param=param_from_message(str(exc), candidates)))
+            raise ApiError(400, str(exc), param=param_from_message(str(exc), candidates)) from None
         logger.info(
             "admin: scheduler limits changed: max_num_seqs %d -> %d, max_num_batched_tokens %d -> %d",
             before.max_num_seqs, after.max_num_seqs, before.max_num_batched_tokens, after.max_num_batched_tokens,

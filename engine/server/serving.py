@@ -3,8 +3,8 @@
 A request becomes prompt token ids (the chat template comes from the model's
 tokenizer) and SamplingParams, goes to the async engine, and its delta outputs
 (RequestOutputKind.DELTA) become one OpenAI response or a stream of Server-Sent Events. Every
-method returns a response model, an ``ErrorResult`` or an async iterator of SSE
-lines; it never raises for a client's mistake.
+method returns a response model or an async iterator of SSE lines, and raises
+``ApiError`` for a request it refuses.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engine.request import InvalidRequestError
@@ -26,6 +26,7 @@ from kvpilot.engine.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.server import protocol as p
 from kvpilot.engine.server import tool_calls
+from kvpilot.engine.server.errors import ApiError
 from kvpilot.engine.structured_outputs import GrammarCompiler, StructuredOutputsParams
 from kvpilot.engine.server.async_engine import (
     AsyncLLMEngine,
@@ -37,42 +38,6 @@ from kvpilot.engine.server.async_engine import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Seconds a rejected client should wait; one engine step is well below it.
-RETRY_AFTER_S = 1
-
-
-@dataclass
-class ErrorResult:
-    status: int
-    body: p.ErrorResponse
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-def error(
-    status: int, message: str, *, param: str | None = None, code: str | None = None, err_type: str | None = None
-) -> ErrorResult:
-    default_type = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        413: "invalid_request_error",
-        429: "rate_limit_error",
-        503: "service_unavailable",
-    }.get(status, "server_error")
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
-    info = p.ErrorInfo(message=message, type=err_type or default_type, param=param, code=code)
-    return ErrorResult(status, p.ErrorResponse(error=info), headers)
-
-
-class ServingError(Exception):
-    """A request problem found deep in the serving logic; becomes an ErrorResult at the edge."""
-
-    def __init__(self, result: ErrorResult) -> None:
-        super().__init__(result.body.error.message)
-        self.result = result
-
 
 # SamplingParams names its field first in every message ("temperature: must be ...").
 _SAMPLING_FIELDS = (
@@ -154,10 +119,10 @@ class OpenAIServing:
         card = p.ModelCard(id=self.model.served_name, root=self.model.root, max_model_len=self.model.max_model_len)
         return p.ModelList(data=[card])
 
-    def check_model(self, requested: str | None) -> ErrorResult | None:
+    def check_model(self, requested: str | None) -> None:
         if requested is None or requested == self.model.served_name:
-            return None
-        return error(
+            return
+        raise ApiError(
             404,
             f"The model `{requested}` does not exist; this server serves `{self.model.served_name}`.",
             param="model",
@@ -168,20 +133,16 @@ class OpenAIServing:
 
     async def create_completion(
         self, request: p.CompletionRequest, until_disconnected: Callable[[], Any]
-    ) -> p.CompletionResponse | ErrorResult | AsyncIterator[str]:
-        if (problem := self.check_model(request.model)) is not None:
-            return problem
-        try:
-            prompts = [self._completion_prompt(prompt) for prompt in _split_prompts(request.prompt)]
-            params = [
-                self._sampling_params(request, prompt, request.max_tokens, request.logprobs, "prompt")
-                for prompt in prompts
-            ]
-            request_id = f"cmpl-{uuid.uuid4().hex}"
-            await self._check_constraint(request, params[0])
-            streams = await self._add_all(request_id, prompts, params, "prompt")
-        except ServingError as exc:
-            return exc.result
+    ) -> p.CompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        prompts = [self._completion_prompt(prompt) for prompt in _split_prompts(request.prompt)]
+        params = [
+            self._sampling_params(request, prompt, request.max_tokens, request.logprobs, "prompt")
+            for prompt in prompts
+        ]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        await self._check_constraint(request, params[0])
+        streams = await self._add_all(request_id, prompts, params, "prompt")
         builder = _CompletionBuilder(self, request, request_id, prompts)
         if request.stream:
             return self._stream(streams, builder, until_disconnected)
@@ -196,20 +157,16 @@ class OpenAIServing:
 
     async def create_chat_completion(
         self, request: p.ChatCompletionRequest, until_disconnected: Callable[[], Any]
-    ) -> p.ChatCompletionResponse | ErrorResult | AsyncIterator[str]:
-        if (problem := self.check_model(request.model)) is not None:
-            return problem
-        try:
-            parser = self._tool_call_parser(request)
-            prompt = self._chat_prompt(request)
-            top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-            params = [self._sampling_params(request, prompt, request.output_token_limit(), top_logprobs, "messages")]
-            request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            await self._check_tools(request)
-            await self._check_constraint(request, params[0])
-            streams = await self._add_all(request_id, [prompt], params, "messages")
-        except ServingError as exc:
-            return exc.result
+    ) -> p.ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        parser = self._tool_call_parser(request)
+        prompt = self._chat_prompt(request)
+        top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = [self._sampling_params(request, prompt, request.output_token_limit(), top_logprobs, "messages")]
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        await self._check_tools(request)
+        await self._check_constraint(request, params[0])
+        streams = await self._add_all(request_id, [prompt], params, "messages")
         builder = _ChatBuilder(self, request, request_id, [prompt], parser)
         if request.stream:
             return self._stream(streams, builder, until_disconnected)
@@ -218,26 +175,24 @@ class OpenAIServing:
     def _tool_call_parser(self, request: p.ChatCompletionRequest) -> tool_calls.ToolCallParser | None:
         choice = request.effective_tool_choice()
         if choice == "auto" and self.chat.tool_call_parser is None:
-            raise ServingError(error(
+            raise ApiError(
                 400,
                 "tool_choice: auto needs a server started with --tool-call-parser (one of "
                 f"{', '.join(tool_calls.PARSERS)}) to find the calls in the model's text; send tool_choice "
                 "required or a named function (the output is then constrained to the tools), or none",
                 param="tool_choice",
-            ))
+            )
         return tool_calls.parser_for(choice, self.chat.tool_call_parser)
 
     def _chat_prompt(self, request: p.ChatCompletionRequest) -> _PromptInput:
         if not (self.chat.chat_template or getattr(self.tokenizer, "chat_template", None)):
-            raise ServingError(
-                error(
-                    400,
-                    f"The model `{self.model.served_name}` has no chat template (no chat_template in its "
-                    "tokenizer_config.json), so /v1/chat/completions cannot format messages; use "
-                    "/v1/completions with a plain prompt, or serve a model that ships a chat template.",
-                    param="messages",
-                    code="chat_template_missing",
-                )
+            raise ApiError(
+                400,
+                f"The model `{self.model.served_name}` has no chat template (no chat_template in its "
+                "tokenizer_config.json), so /v1/chat/completions cannot format messages; use "
+                "/v1/completions with a plain prompt, or serve a model that ships a chat template.",
+                param="messages",
+                code="chat_template_missing",
             )
         messages = [_template_message(i, message) for i, message in enumerate(request.messages)]
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
@@ -251,7 +206,7 @@ class OpenAIServing:
                 continue_final_message=request.continue_final_message,
             )
         except Exception as exc:  # the template is the model's own Jinja code and may raise anything
-            raise ServingError(error(400, f"The chat template rejected these messages: {exc}", param="messages"))
+            raise ApiError(400, f"The chat template rejected these messages: {exc}", param="messages") from None
         # The rendered template already holds the BOS text, if the model uses one.
         return _PromptInput(self.tokenizer.encode(text, add_special_tokens=False), text)
 
@@ -268,27 +223,23 @@ class OpenAIServing:
         limit = self.model.max_model_len
         num_prompt = len(prompt.token_ids)
         if num_prompt >= limit:
-            raise ServingError(
-                error(
-                    400,
-                    f"This model's maximum context length is {limit} tokens, but the prompt has {num_prompt} "
-                    f"tokens, leaving no room to generate. Shorten the {prompt_param}.",
-                    param=prompt_param,
-                    code="context_length_exceeded",
-                )
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but the prompt has {num_prompt} "
+                f"tokens, leaving no room to generate. Shorten the {prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
             )
         if max_tokens is None:
             max_tokens = limit - num_prompt
         elif num_prompt + max_tokens > limit:
-            raise ServingError(
-                error(
-                    400,
-                    f"This model's maximum context length is {limit} tokens, but you requested "
-                    f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
-                    f"completion). Lower max_tokens to at most {limit - num_prompt} or shorten the {prompt_param}.",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                f"completion). Lower max_tokens to at most {limit - num_prompt} or shorten the {prompt_param}.",
+                param="max_tokens",
+                code="context_length_exceeded",
             )
         values: dict[str, Any] = {
             "n": request.n,
@@ -311,7 +262,7 @@ class OpenAIServing:
             values["structured_outputs"] = _constraint(request)
             return SamplingParams(**values)
         except ValueError as exc:
-            raise ServingError(error(400, str(exc), param=param_from_message(str(exc)))) from None
+            raise ApiError(400, str(exc), param=param_from_message(str(exc))) from None
 
     async def _check_tools(self, request: p.ChatCompletionRequest) -> None:
         """Each tool's parameters compiled as a JSON schema (cached across requests), so a schema the
@@ -325,7 +276,7 @@ class OpenAIServing:
             except InvalidRequestError as exc:
                 problem = str(exc).partition(": ")[2]
                 field = f"tools[{i}].function.parameters"
-                raise ServingError(error(400, f"{field}: {problem}", param=field)) from None
+                raise ApiError(400, f"{field}: {problem}", param=field) from None
 
     async def _check_constraint(self, request: p.SamplingFields, params: SamplingParams) -> None:
         """A structured-output constraint compiled off the engine's thread (it takes the vocabulary's
@@ -341,7 +292,7 @@ class OpenAIServing:
                 field = "tool_choice"  # the tools' schemas compile one by one (_check_tools), not together
             elif request.structured_outputs is None:  # it came from response_format
                 field = "response_format.json_schema.schema" if field.endswith(".json") else "response_format"
-            raise ServingError(error(400, f"{field}: {problem}", param=field)) from None
+            raise ApiError(400, f"{field}: {problem}", param=field) from None
 
     async def _add_all(
         self, request_id: str, prompts: list[_PromptInput], params: list[SamplingParams], prompt_param: str
@@ -360,15 +311,15 @@ class OpenAIServing:
             for stream in streams:
                 self.engine.abort(stream.request_id)
             if isinstance(exc, EngineOverloadedError):
-                raise ServingError(error(429, str(exc), code="queue_full")) from None
+                raise ApiError(429, str(exc), code="queue_full") from None
             if isinstance(exc, EngineDrainingError):
-                raise ServingError(error(503, str(exc), code="shutting_down")) from None
+                raise ApiError(503, str(exc), code="shutting_down") from None
             if isinstance(exc, EngineDeadError):
-                raise ServingError(error(503, str(exc), code="engine_dead", err_type="server_error")) from None
+                raise ApiError(503, str(exc), code="engine_dead", error_type="server_error") from None
             if isinstance(exc, ValueError):
                 # The engine refuses prompts (empty, token id outside the vocabulary) and names them.
                 param = param_from_message(str(exc)) or prompt_param
-                raise ServingError(error(400, str(exc), param=param)) from None
+                raise ApiError(400, str(exc), param=param) from None
             raise
         return streams
 
@@ -384,9 +335,9 @@ class OpenAIServing:
                     else:
                         so_far.add(output)
         except EngineDeadError as exc:
-            return error(503, str(exc), code="engine_dead", err_type="server_error")
+            raise ApiError(503, str(exc), code="engine_dead", error_type="server_error") from None
         except RequestAbortedError as exc:
-            return error(503, str(exc), code="aborted", err_type="server_error")
+            raise ApiError(503, str(exc), code="aborted", error_type="server_error") from None
         return builder.full_response(finals)
 
     async def _stream(
@@ -402,7 +353,7 @@ class OpenAIServing:
                 if (usage := builder.final_usage_chunk()) is not None:
                     yield _sse(usage)
         except (EngineDeadError, RequestAbortedError) as exc:
-            yield _sse(error(503, str(exc), err_type="server_error").body)
+            yield _sse(ApiError(503, str(exc), error_type="server_error").body)
         yield "data: [DONE]\n\n"
 
     def token_text(self, token_id: int) -> str:
@@ -427,7 +378,7 @@ def _template_message(index: int, message: p.ChatMessage) -> dict[str, Any]:
                 arguments = json.loads(call.function.arguments)
             except json.JSONDecodeError as exc:
                 field = f"messages[{index}].tool_calls[{j}].function.arguments"
-                raise ServingError(error(400, f"{field}: not valid JSON ({exc})", param=field)) from None
+                raise ApiError(400, f"{field}: not valid JSON ({exc})", param=field) from None
             rendered["tool_calls"].append({"id": call.id, "type": "function",
                                            "function": {"name": call.function.name, "arguments": arguments}})
     return rendered
