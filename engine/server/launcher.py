@@ -184,7 +184,7 @@ def _seconds_since_exec() -> float | None:
 
 def _log_engine(engine: Any, served_name: str) -> None:
     config, resolved, arch = engine.config, engine.resolved, engine.arch
-    from kvpilot.engine.server.api_server import weight_layouts
+    from kvpilot.engine.server.state import weight_layouts
 
     logger.info(
         "loaded %s (%s, %d layers, hidden %d, vocab %d) on %s as %s, attention backend %s, weights %s",

@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import math
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,7 +25,7 @@ from kvpilot.engine.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.server import protocol as p
 from kvpilot.engine.server import tool_calls
-from kvpilot.engine.server.errors import ApiError
+from kvpilot.engine.server.errors import ApiError, param_from_message
 from kvpilot.engine.structured_outputs import GrammarCompiler, StructuredOutputsParams
 from kvpilot.engine.server.async_engine import (
     AsyncLLMEngine,
@@ -66,20 +65,6 @@ def _constraint(request: p.SamplingFields) -> StructuredOutputsParams | None:
     if not schema:
         raise ValueError("response_format.json_schema.schema: give the JSON schema the output must match")
     return StructuredOutputsParams(json=schema)
-
-
-def param_from_message(message: str, candidates: Sequence[str] = _SAMPLING_FIELDS) -> str | None:
-    """The field a validation message is about: its first word if that is a field
-    (``"stop[0] must be ..."``, ``"temperature: ..."``), else the first field it mentions."""
-    first = re.split(r"[\s:(]", message.strip(), maxsplit=1)[0]
-    if first.split("[")[0] in candidates:
-        return first
-    mentions = [
-        (match.start(), name)
-        for name in candidates
-        if (match := re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message)) is not None
-    ]
-    return min(mentions)[1] if mentions else None
 
 
 @dataclass
@@ -262,7 +247,7 @@ class OpenAIServing:
             values["structured_outputs"] = _constraint(request)
             return SamplingParams(**values)
         except ValueError as exc:
-            raise ApiError(400, str(exc), param=param_from_message(str(exc))) from None
+            raise ApiError(400, str(exc), param=param_from_message(str(exc), _SAMPLING_FIELDS)) from None
 
     async def _check_tools(self, request: p.ChatCompletionRequest) -> None:
         """Each tool's parameters compiled as a JSON schema (cached across requests), so a schema the
@@ -318,7 +303,7 @@ class OpenAIServing:
                 raise ApiError(503, str(exc), code="engine_dead", error_type="server_error") from None
             if isinstance(exc, ValueError):
                 # The engine refuses prompts (empty, token id outside the vocabulary) and names them.
-                param = param_from_message(str(exc)) or prompt_param
+                param = param_from_message(str(exc), _SAMPLING_FIELDS) or prompt_param
                 raise ApiError(400, str(exc), param=param) from None
             raise
         return streams
