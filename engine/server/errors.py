@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -101,7 +100,7 @@ _REQUEST_FIELDS = tuple(
 )
 
 
-def _validation_param(loc: tuple[Any, ...], message: str) -> str | None:
+def _validation_param(loc: tuple[int | str, ...], message: str) -> str | None:
     parts = [str(part) for part in loc if part != "body"]
     # Union members show up as their type name in the location ("str", "list[int]"); drop them.
     parts = [part for part in parts if not any(ch in part for ch in "[]") and part not in ("str", "int", "float")]
@@ -142,7 +141,7 @@ async def _unexpected_error(_: Request, exc: Exception) -> Response:
     return ApiError(500, f"Internal server error: {exc!r}").response()
 
 
-EXCEPTION_HANDLERS: dict[type[Exception], Callable[[Request, Any], Any]] = {
+EXCEPTION_HANDLERS = {
     ApiError: _api_error,
     RequestValidationError: _validation_error,
     StarletteHTTPException: _http_error,

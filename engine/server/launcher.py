@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.engine.server.args import ArgsError, engine_overrides, load_chat_template, resolve_serve_args
+from kvpilot.engine.server.engine_protocol import Engine
 from kvpilot.engine_contract import TUNING_FILE_KEYS
 
 logger = logging.getLogger("kvpilot.serve")
@@ -19,7 +20,7 @@ class TuningFileError(ValueError):
     """The tuning file exists but cannot be used; the message names the file and the key."""
 
 
-def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
+def load_tuning_file(path: str | Path) -> dict[str, int | float] | None:
     """The persisted tuning values as engine flag names; None when the file does not exist.
 
     The file is a JSON or YAML mapping (JSON is YAML). A folder is read as a
@@ -42,7 +43,7 @@ def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
         raise TuningFileError(
             f"tuning file {path}: expected a mapping like {{maxNumSeqs: 32}}, got {type(raw).__name__}"
         )
-    values: dict[str, Any] = {}
+    values: dict[str, int | float] = {}
     for key, value in raw.items():
         if key not in TUNING_FILE_KEYS:
             logger.warning("tuning file %s: ignoring unknown key %r (known: %s)", path, key,
@@ -182,7 +183,7 @@ def _seconds_since_exec() -> float | None:
     return since_boot - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _log_engine(engine: Any, served_name: str) -> None:
+def _log_engine(engine: Engine, served_name: str) -> None:
     config, resolved, arch = engine.config, engine.resolved, engine.arch
     from kvpilot.engine.server.state import weight_layouts
 

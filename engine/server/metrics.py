@@ -13,13 +13,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpilot import engine_contract as names
+
+if TYPE_CHECKING:
+    from kvpilot.engine.llm_engine import EngineStats
+    from kvpilot.engine.outputs import RequestOutput
+    from kvpilot.engine.step_cost import StepCostSnapshot
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -37,7 +42,7 @@ class EngineStatsCollector(Collector):
 
     def __init__(
         self,
-        stats: Callable[[], Any],
+        stats: Callable[[], EngineStats],
         num_waiting: Callable[[], int],
         model_name: str,
         gpu_memory_utilization: float,
@@ -115,7 +120,7 @@ class EngineStatsCollector(Collector):
         if stats.spec_decode is not None:
             yield from self._spec_decode(stats, gauge, counter)
 
-    def _step_cost(self, cost: Any) -> Iterator[Metric]:
+    def _step_cost(self, cost: StepCostSnapshot) -> Iterator[Metric]:
         """The engine's cost curve (engine/step_cost.py)."""
         sums = CounterMetricFamily(
             names.counter_base_name(names.STEP_COST_SUMS),
@@ -137,7 +142,7 @@ class EngineStatsCollector(Collector):
             durations.add_metric([self._model_name, kind], list(zip(bounds, cumulative)), cost.seconds[kind])
         yield durations
 
-    def _spec_decode(self, stats: Any, gauge: Callable, counter: Callable) -> Iterator[Metric]:
+    def _spec_decode(self, stats: EngineStats, gauge: Callable, counter: Callable) -> Iterator[Metric]:
         """Speculative decoding, only when the engine runs it (vLLM's vllm:spec_decode_* counters)."""
         spec = stats.spec_decode
         yield gauge(
@@ -181,7 +186,7 @@ class ServerMetrics:
         self,
         *,
         model_name: str,
-        stats: Callable[[], Any],
+        stats: Callable[[], EngineStats],
         num_waiting: Callable[[], int],
         gpu_memory_utilization: float,
         model_info: dict[str, str],
@@ -234,7 +239,7 @@ class ServerMetrics:
 
     # ---- StepObserver (engine thread) -------------------------------------------
 
-    def on_step(self, outputs: list[Any], now: float) -> None:
+    def on_step(self, outputs: list[RequestOutput], now: float) -> None:
         for output in outputs:
             progress = self._progress.setdefault(output.request_id, _Progress())
             longest_before = max(progress.num_tokens.values(), default=0)
@@ -268,7 +273,7 @@ class ServerMetrics:
         self._progress.pop(request_id, None)
         self.request_success.labels(self.model_name, "abort").inc(num_sequences)
 
-    def _observe_first_token(self, output: Any, now: float) -> None:
+    def _observe_first_token(self, output: RequestOutput, now: float) -> None:
         metrics = output.metrics
         first_token = metrics.first_token_time if metrics.first_token_time is not None else now
         self.time_to_first_token.observe(max(first_token - metrics.arrival_time, 0.0))

@@ -16,12 +16,14 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvpilot.engine.request import InvalidRequestError
+from pydantic import BaseModel
+
 from kvpilot.engine.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.request import InvalidRequestError
 from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.server import protocol as p
 from kvpilot.engine.server import tool_calls
@@ -36,7 +38,16 @@ from kvpilot.engine.server.async_engine import (
     RequestStream,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
+
+# What the two endpoints' builders take and make.
+_Request = p.CompletionRequest | p.ChatCompletionRequest
+_Chunk = p.CompletionChunk | p.ChatCompletionChunk
+_StreamChoice = p.CompletionChoice | p.ChatStreamChoice
+_Response = p.CompletionResponse | p.ChatCompletionResponse
 
 # SamplingParams names its field first in every message ("temperature: must be ...").
 _SAMPLING_FIELDS = (
@@ -89,8 +100,8 @@ class _PromptInput:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model: ModelInfo, grammars: GrammarCompiler,
-                 chat: ChatSettings = ChatSettings()) -> None:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: PreTrainedTokenizerBase, model: ModelInfo,
+                 grammars: GrammarCompiler, chat: ChatSettings = ChatSettings()) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.grammars = grammars
@@ -117,7 +128,7 @@ class OpenAIServing:
     # ---- completions -------------------------------------------------------------
 
     async def create_completion(
-        self, request: p.CompletionRequest, until_disconnected: Callable[[], Any]
+        self, request: p.CompletionRequest, until_disconnected: Callable[[], Awaitable[None]]
     ) -> p.CompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
         prompts = [self._completion_prompt(prompt) for prompt in _split_prompts(request.prompt)]
@@ -141,7 +152,7 @@ class OpenAIServing:
     # ---- chat ----------------------------------------------------------------------
 
     async def create_chat_completion(
-        self, request: p.ChatCompletionRequest, until_disconnected: Callable[[], Any]
+        self, request: p.ChatCompletionRequest, until_disconnected: Callable[[], Awaitable[None]]
     ) -> p.ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
         parser = self._tool_call_parser(request)
@@ -226,26 +237,29 @@ class OpenAIServing:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        values: dict[str, Any] = {
-            "n": request.n,
-            "seed": request.seed,
-            "stop": request.stop or [],
-            "stop_token_ids": request.stop_token_ids or [],
-            "ignore_eos": request.ignore_eos,
-            "max_tokens": max_tokens,
-            "min_tokens": request.min_tokens,
-            "logprobs": logprobs,
-            "skip_special_tokens": request.skip_special_tokens,
-            "include_stop_str_in_output": request.include_stop_str_in_output,
-            "output_kind": RequestOutputKind.DELTA,
+        # Those the client left out keep SamplingParams' defaults.
+        given: dict[str, float] = {
+            name: value
+            for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                         "repetition_penalty")  # fmt: skip
+            if (value := getattr(request, name)) is not None
         }
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):  # fmt: skip
-            if (value := getattr(request, name)) is not None:
-                values[name] = value
         try:
-            values["structured_outputs"] = _constraint(request)
-            return SamplingParams(**values)
+            return SamplingParams(
+                n=request.n,
+                seed=request.seed,
+                stop=request.stop or [],
+                stop_token_ids=request.stop_token_ids or [],
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                structured_outputs=_constraint(request),
+                output_kind=RequestOutputKind.DELTA,
+                **given,
+            )
         except ValueError as exc:
             raise ApiError(400, str(exc), param=param_from_message(str(exc), _SAMPLING_FIELDS)) from None
 
@@ -309,8 +323,8 @@ class OpenAIServing:
         return streams
 
     async def _collect(
-        self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Any]
-    ) -> Any:
+        self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Awaitable[None]]
+    ) -> _Response:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             async with _AbortOnDisconnect(self.engine, streams, until_disconnected):
@@ -326,7 +340,7 @@ class OpenAIServing:
         return builder.full_response(finals)
 
     async def _stream(
-        self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Any]
+        self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Awaitable[None]]
     ) -> AsyncIterator[str]:
         try:
             async with _AbortOnDisconnect(self.engine, streams, until_disconnected):
@@ -377,18 +391,17 @@ def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> lis
     return list(prompt)
 
 
-def _sse(model: Any) -> str:
+def _sse(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()  # None: it ended
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
@@ -396,14 +409,14 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]
                 queue.put_nowait((index, output))
         except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
             queue.put_nowait((index, exc))
-        queue.put_nowait((index, done))
+        queue.put_nowait((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(streams)
         while remaining:
             index, item = await queue.get()
-            if item is done:
+            if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
@@ -421,7 +434,9 @@ class _AbortOnDisconnect:
     connection is gone (api_server.py passes a listener on the ASGI receive channel).
     """
 
-    def __init__(self, engine: AsyncLLMEngine, streams: list[RequestStream], until_disconnected: Callable[[], Any]):
+    def __init__(
+        self, engine: AsyncLLMEngine, streams: list[RequestStream], until_disconnected: Callable[[], Awaitable[None]]
+    ) -> None:
         self._engine = engine
         self._streams = streams
         self._until_disconnected = until_disconnected
@@ -442,7 +457,7 @@ class _AbortOnDisconnect:
             if not stream.finished:
                 self._engine.abort(stream.request_id)
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         assert self._watcher is not None
         self._watcher.cancel()
         # Reached early (an exception, or the consumer closed the stream): free the blocks now.
@@ -452,7 +467,7 @@ class _AbortOnDisconnect:
 class _ResponseBuilder(abc.ABC):
     """Turns the engine's delta outputs into stream chunks, or their sum into one response."""
 
-    def __init__(self, serving: OpenAIServing, request: Any, request_id: str, prompts: list[_PromptInput]) -> None:
+    def __init__(self, serving: OpenAIServing, request: _Request, request_id: str, prompts: list[_PromptInput]) -> None:
         self.serving = serving
         self.request = request
         self.request_id = request_id
@@ -478,10 +493,10 @@ class _ResponseBuilder(abc.ABC):
     def include_usage(self) -> bool:
         return bool(self.request.stream_options and self.request.stream_options.include_usage)
 
-    def first_chunks(self) -> list[Any]:
+    def first_chunks(self) -> list[_Chunk]:
         return []
 
-    def chunks(self, prompt_index: int, output: RequestOutput) -> list[Any]:
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[_Chunk]:
         """Chunks for the delta ``output``."""
         self._cached_tokens[prompt_index] = output.num_cached_tokens
         chunks = []
@@ -499,7 +514,7 @@ class _ResponseBuilder(abc.ABC):
             self._sent_text[choice] = self._sent_text.get(choice, 0) + len(seq.text)
         return chunks
 
-    def final_usage_chunk(self) -> Any | None:
+    def final_usage_chunk(self) -> _Chunk | None:
         if not self.include_usage():
             return None
         usage = self.usage(self._completion_tokens, sum(self._cached_tokens.values()))
@@ -510,19 +525,21 @@ class _ResponseBuilder(abc.ABC):
         return self.usage(completion_tokens, sum(output.num_cached_tokens for output in finals))
 
     @abc.abstractmethod
-    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> Any | None:
+    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> _Chunk | None:
         """The chunk carrying the delta ``seq``'s text and logprobs (None: nothing to send yet)."""
 
     @abc.abstractmethod
-    def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> Any:
+    def chunk_model(self, choices: list[_StreamChoice], usage: p.UsageInfo | None = None) -> _Chunk:
         """A stream chunk of this endpoint's type."""
 
     @abc.abstractmethod
-    def full_response(self, finals: list[Any]) -> Any:
+    def full_response(self, finals: list[RequestOutput]) -> _Response:
         """The non-streamed response from each prompt's finished output."""
 
 
 class _CompletionBuilder(_ResponseBuilder):
+    request: p.CompletionRequest
+
     def _echo_prefix(self, prompt_index: int, choice: int) -> str:
         if not self.request.echo or choice in self._sent_text:
             return ""
@@ -543,7 +560,7 @@ class _CompletionBuilder(_ResponseBuilder):
             offset += len(token)
         return result
 
-    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> Any:
+    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> p.CompletionChunk:
         prefix = self._echo_prefix(prompt_index, choice)
         offset = self._sent_text.get(choice, 0)
         return self.chunk_model(
@@ -558,12 +575,12 @@ class _CompletionBuilder(_ResponseBuilder):
             ]
         )
 
-    def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> p.CompletionChunk:
+    def chunk_model(self, choices: list[_StreamChoice], usage: p.UsageInfo | None = None) -> p.CompletionChunk:
         return p.CompletionChunk(
             id=self.request_id, created=self.created, model=self.serving.model.served_name, choices=choices, usage=usage
         )
 
-    def full_response(self, finals: list[Any]) -> p.CompletionResponse:
+    def full_response(self, finals: list[RequestOutput]) -> p.CompletionResponse:
         choices = []
         for prompt_index, output in enumerate(finals):
             for seq in output.outputs:
@@ -589,6 +606,8 @@ class _CompletionBuilder(_ResponseBuilder):
 
 
 class _ChatBuilder(_ResponseBuilder):
+    request: p.ChatCompletionRequest
+
     def __init__(self, serving: OpenAIServing, request: p.ChatCompletionRequest, request_id: str,
                  prompts: list[_PromptInput], parser: tool_calls.ToolCallParser | None) -> None:
         super().__init__(serving, request, request_id, prompts)
@@ -641,24 +660,24 @@ class _ChatBuilder(_ResponseBuilder):
             best = sorted(top.items(), key=lambda item: item[1], reverse=True)[:k]
             content.append(
                 p.ChatTokenLogprob(
-                    **self._entry(token_id, top.get(token_id)),
-                    top_logprobs=[p.TopLogprob(**self._entry(t, lp)) for t, lp in best],
+                    **self._entry(token_id, top.get(token_id)).model_dump(),
+                    top_logprobs=[self._entry(t, lp) for t, lp in best],
                 )
             )
         return p.ChatLogprobs(content=content)
 
-    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+    def _entry(self, token_id: int, logprob: float | None) -> p.TopLogprob:
         token = self.serving.token_text(token_id)
-        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+        return p.TopLogprob(token=token, logprob=_finite(logprob), bytes=list(token.encode("utf-8")))
 
-    def first_chunks(self) -> list[Any]:
+    def first_chunks(self) -> list[_Chunk]:
         # OpenAI opens every choice with the assistant role and empty content.
         return [
             self.chunk_model([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
             for i in range(self.n)
         ]
 
-    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> Any:
+    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> p.ChatCompletionChunk | None:
         if self.parser is not None:
             delta, finish_reason = self._tool_delta(choice, seq)
             if delta == p.DeltaMessage() and finish_reason is None and not self.request.logprobs:
@@ -678,12 +697,12 @@ class _ChatBuilder(_ResponseBuilder):
             ]
         )
 
-    def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk:
+    def chunk_model(self, choices: list[_StreamChoice], usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
             id=self.request_id, created=self.created, model=self.serving.model.served_name, choices=choices, usage=usage
         )
 
-    def full_response(self, finals: list[Any]) -> p.ChatCompletionResponse:
+    def full_response(self, finals: list[RequestOutput]) -> p.ChatCompletionResponse:
         (output,) = finals
         choices = []
         for seq in sorted(output.outputs, key=lambda s: s.index):
