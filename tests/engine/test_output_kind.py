@@ -43,7 +43,8 @@ def concatenated(deltas: list[RequestOutput]) -> dict[int, tuple[list[int], str,
     return joined
 
 
-def cumulative(llm: LLM, prompt: str | list[int], params: SamplingParams) -> dict[int, tuple[list[int], str, list | None]]:
+def cumulative(llm: LLM, prompt: str | list[int], params: SamplingParams) -> dict:
+    """The same per-index view of the request run again with its own output_kind (CUMULATIVE)."""
     (output,) = llm.generate(prompt, params, use_tqdm=False)
     return {c.index: (c.token_ids, c.text, c.logprobs) for c in output.outputs}
 
@@ -59,8 +60,9 @@ def test_deltas_add_up_to_the_cumulative_output_tokens_text_and_logprobs(llm):
     assert [d.finished for d in deltas] == [False] * 11 + [True]
     assert [d.outputs[0].finish_reason for d in deltas] == [None] * 11 + ["length"]
     assert concatenated(deltas) == cumulative(llm, PROMPT, params)
-    final = deltas[-1].outputs[0]
-    assert final.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(*concatenated(deltas)[0][::2])))
+    tokens, _, logprobs = concatenated(deltas)[0]
+    expected = sum(entry[token] for token, entry in zip(tokens, logprobs))
+    assert deltas[-1].outputs[0].cumulative_logprob == pytest.approx(expected)  # the sum so far, not a delta's
 
 
 def test_n_sequences_each_add_up_and_a_delta_names_only_sequences_with_new_tokens(llm):
