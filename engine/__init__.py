@@ -16,6 +16,7 @@ _LAZY_EXPORTS = {
     "EngineStats": "kvpilot.engine.llm_engine",
     "EngineConfig": "kvpilot.engine.config",
     "SamplingParams": "kvpilot.engine.sampling_params",
+    "RequestOutputKind": "kvpilot.engine.sampling_params",
     "RequestOutput": "kvpilot.engine.outputs",
     "CompletionOutput": "kvpilot.engine.outputs",
     "InvalidRequestError": "kvpilot.engine.request",

@@ -3,7 +3,8 @@
 Each new token is decoded inside a small window of the tokens before it (starting with the
 prompt's tail, so tokenizers that drop a leading space at the start of a text still render it).
 Text is committed only when the window's decoding does not end in U+FFFD, i.e. once a UTF-8
-character split across byte tokens is complete. Two short decodes per token keep the cost flat
+character split across byte tokens is complete; one still incomplete when the output ends is
+never shown (as in vLLM). Two short decodes per token keep the cost flat
 however long the output grows.
 
 Stop strings are searched for in the committed text as it grows (once ``min_tokens`` tokens are
@@ -43,11 +44,13 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """Output text so far (without a matched stop string unless include_stop_str_in_output).
-
-        A character still incomplete at the end is added by ``pop_delta(finished=True)``.
-        """
+        """Output text so far (without a matched stop string unless include_stop_str_in_output)."""
         return self._text
+
+    @property
+    def emitted_text(self) -> str:
+        """The text ``pop_delta`` has handed out so far."""
+        return self._text[: self._emitted]
 
     @property
     def stop_string(self) -> str | None:
@@ -60,17 +63,13 @@ class IncrementalDetokenizer:
             raise RuntimeError("output already ended at a stop string; no more tokens can be appended")
         self._ids.append(token_id)
         self._num_output_tokens += 1
-        return self._decode_window(flush=False)
+        return self._decode_window()
 
     def pop_delta(self, finished: bool) -> str:
         """Text added since the last call.
 
-        Until ``finished``, holds back an incomplete trailing character and any tail that might
-        still become a stop string; when finished, flushes everything (an incomplete character
-        then shows as U+FFFD, as a full decode would).
+        Until ``finished``, holds back any tail that might still become a stop string.
         """
-        if finished and self._stop_string is None and self._read_offset < len(self._ids):
-            self._decode_window(flush=True)
         end = len(self._text)
         if not finished and self._stop_string is None and not self._include_stop:
             end -= self._possible_stop_prefix_len()
@@ -80,10 +79,10 @@ class IncrementalDetokenizer:
         self._emitted = end
         return delta
 
-    def _decode_window(self, flush: bool) -> str | None:
+    def _decode_window(self) -> str | None:
         committed = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
-        if window.endswith(_REPLACEMENT_CHAR) and not flush:
+        if window.endswith(_REPLACEMENT_CHAR):
             return None  # a multi-byte character is still incomplete
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)

@@ -30,7 +30,7 @@ from kvpilot.engine.models import CausalLM, ModelArch
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpilot.engine.request import InvalidRequestError, Request, RequestStatus
 from kvpilot.engine.sampler import SamplingInput
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.spec_decode.draft_proposer import DraftModelProposer
 from kvpilot.engine.spec_decode.ngram_proposer import NgramProposer
@@ -99,6 +99,25 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None
     cumulative_logprob: float | None
+    num_reported_tokens: int = 0  # output tokens already handed out in DELTA outputs
+
+    def completion(self, kind: RequestOutputKind, new_text: str) -> CompletionOutput:
+        """This sequence's output: all of it, or (DELTA) the tokens since the last call and ``new_text``."""
+        request = self.request
+        if kind is RequestOutputKind.DELTA:
+            start, self.num_reported_tokens = self.num_reported_tokens, len(request.output_token_ids)
+            text = new_text
+        else:
+            start, text = 0, self.detokenizer.emitted_text
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=request.output_token_ids[start:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs[start:] if self.logprobs is not None else None,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
 
 
 class LLMEngine:
@@ -284,7 +303,8 @@ class LLMEngine:
     # ----------------------------------------------------------------- stepping
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the requests that got new tokens (cumulative outputs)."""
+        """Run one iteration; return an output for each request that got new tokens, shaped by its
+        ``output_kind`` (a FINAL_ONLY request has one only when it finishes)."""
         start = time.perf_counter()
         step = self.scheduler.schedule()
         if step.is_empty:
@@ -328,12 +348,13 @@ class LLMEngine:
         self.speculator.propose(update.still_running, self.scheduler.num_running)
 
         now = time.monotonic()
-        advanced: dict[str, _RequestState] = {}
+        advanced: dict[str, list[_Sequence]] = {}  # by user request: its sequences that got tokens
         for request in update.finished:
             sequences[request.request_id].state.num_unfinished -= 1
         for request in update.sampled:
-            state = sequences[request.request_id].state
-            advanced[state.request_id] = state
+            sequence = sequences[request.request_id]
+            state = sequence.state
+            advanced.setdefault(state.request_id, []).append(sequence)
             metrics = state.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -342,13 +363,15 @@ class LLMEngine:
             metrics.num_preemptions = sum(sequence.request.num_preemptions for sequence in state.sequences)
 
         outputs = []
-        for state in advanced.values():
+        for advanced_sequences in advanced.values():
+            state = advanced_sequences[0].state
             if state.num_unfinished == 0:
                 state.metrics.finished_time = now
                 del self._requests[state.request_id]
                 for sequence in state.sequences:
                     del sequences[sequence.request.request_id]
-            outputs.append(self._make_output(state))
+            if (output := self._make_output(state, advanced_sequences)) is not None:
+                outputs.append(output)
         elapsed = time.perf_counter() - start
         self._step_seconds_total += elapsed
         decode_rows = sum(1 for n in step.num_scheduled_tokens if n == 1)
@@ -419,27 +442,26 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
-        completions = []
-        for sequence in state.sequences:
-            request = sequence.request
-            completions.append(
-                CompletionOutput(
-                    index=sequence.index,
-                    text=sequence.detokenizer.text,
-                    token_ids=list(request.output_token_ids),
-                    cumulative_logprob=sequence.cumulative_logprob,
-                    logprobs=list(sequence.logprobs) if sequence.logprobs is not None else None,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
-                )
-            )
+    def _make_output(self, state: _RequestState, advanced: list[_Sequence]) -> RequestOutput | None:
+        """The request's output after a step in which ``advanced`` (some of its sequences) got tokens;
+        None while a FINAL_ONLY request runs on.
+
+        Text comes from each detokenizer's ``pop_delta``, which holds back a tail that may still
+        become a stop string: no output, of any kind, shows text that a stop string later removes.
+        """
+        new_text = {s.index: s.detokenizer.pop_delta(finished=s.request.is_finished) for s in advanced}
+        kind = state.params.output_kind
+        finished = state.num_unfinished == 0
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        # A delta names only the sequences that changed; the other kinds all of them.
+        shown = sorted(advanced, key=lambda s: s.index) if kind is RequestOutputKind.DELTA else state.sequences
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=state.num_unfinished == 0,
+            outputs=[sequence.completion(kind, new_text.get(sequence.index, "")) for sequence in shown],
+            finished=finished,
             num_cached_tokens=max(s.request.num_cached_tokens for s in state.sequences),
             metrics=state.metrics,
         )

@@ -1,4 +1,9 @@
-"""What the engine hands back for a request: the same shape as vLLM's outputs."""
+"""What the engine hands back for a request: the same shape as vLLM's outputs.
+
+What an output holds depends on the request's ``SamplingParams.output_kind``: everything so far
+(CUMULATIVE), only what is new since the request's previous output (DELTA), or everything, once,
+when the request has finished (FINAL_ONLY).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CompletionOutput:
-    """One of a request's ``n`` generated sequences, cumulative so far."""
+    """One of a request's ``n`` generated sequences: all of it so far, or what is new (DELTA)."""
 
     index: int
     text: str
@@ -19,6 +24,16 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def add(self, later: CompletionOutput) -> None:
+        """Append a later delta of the same sequence to this one."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if self.logprobs is not None and later.logprobs is not None:
+            self.logprobs.extend(later.logprobs)
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
 
 
 @dataclass
@@ -42,3 +57,16 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+
+    def add(self, later: RequestOutput) -> None:
+        """Append a later delta output of the same request to this one (DELTA outputs that a slow
+        reader takes together); a sequence new in ``later`` joins the list."""
+        by_index = {completion.index: completion for completion in self.outputs}
+        for completion in later.outputs:
+            if completion.index in by_index:
+                by_index[completion.index].add(completion)
+            else:
+                self.outputs.append(completion)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -10,6 +11,14 @@ from kvpilot.engine.structured_outputs import StructuredOutputsParams
 # Below this a temperature means greedy: dividing logits by it would only overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs carries (vLLM's names and meanings)."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only the tokens, text and logprobs new since the request's previous output
+    FINAL_ONLY = 2  # one output, once the request has finished
 
 
 @dataclass
@@ -34,6 +43,7 @@ class SamplingParams:
     # What the output must match (a JSON schema, a regex, ...: engine/structured_outputs.py); a dict
     # of StructuredOutputsParams' fields is taken too.
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +98,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]; got {self.logprobs}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind; got {self.output_kind!r}")
 
 
 def _check_int(name: str, value: object, minimum: int | None) -> None:

@@ -17,7 +17,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvpilot.engine.server.engine_protocol import Engine
+
+if TYPE_CHECKING:
+    from kvpilot.engine.llm_engine import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +52,7 @@ class RequestAbortedError(RuntimeError):
 class StepObserver(Protocol):
     """Receives engine events on the engine thread (metrics.py implements it)."""
 
-    def on_step(self, outputs: list[Any], now: float) -> None: ...
+    def on_step(self, outputs: list[RequestOutput], now: float) -> None: ...
 
     def on_abort(self, request_id: str, num_sequences: int) -> None: ...
 
@@ -53,28 +60,33 @@ class StepObserver(Protocol):
 class RequestStream:
     """The outputs of one engine request, as an async iterator that ends after the finished one.
 
-    Outputs are cumulative, so when a slow consumer falls behind only the newest
-    queued output matters: ``__anext__`` skips straight to it.
+    A consumer that falls behind gets what was queued in one output: the deltas joined (DELTA),
+    or the newest (CUMULATIVE, which holds all the others).
     """
 
-    def __init__(self, request_id: str, num_sequences: int = 1) -> None:
+    def __init__(self, request_id: str, params: SamplingParams) -> None:
         self.request_id = request_id
-        self.num_sequences = num_sequences  # the request's n
+        self.num_sequences = params.n
+        self._joins_deltas = params.output_kind is RequestOutputKind.DELTA
         self.finished = False
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
-    def put(self, item: Any) -> None:
+    def put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
         while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()
+            later = self._queue.get_nowait()
+            if self._joins_deltas and not isinstance(later, BaseException):
+                item.add(later)
+            else:
+                item = later
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -86,7 +98,7 @@ class RequestStream:
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
-    params: Any
+    params: SamplingParams
     prompt: str | None
     arrival_time: float
     future: asyncio.Future
@@ -106,12 +118,15 @@ class _SetLimits:
     future: asyncio.Future
 
 
+_Command = _Add | _Abort | _SetLimits
+
+
 class AsyncLLMEngine:
     """The asyncio face of one ``LLMEngine``; create and call it on the server's event loop."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         *,
         max_waiting_requests: int | None = None,
         observer: StepObserver | None = None,
@@ -124,13 +139,13 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._wakeup = threading.Condition()
-        self._commands: collections.deque[Any] = collections.deque()  # guarded by _wakeup
+        self._commands: collections.deque[_Command] = collections.deque()  # guarded by _wakeup
         self._stopping = False  # guarded by _wakeup
         # Admission accounting, guarded by _wakeup: adds queued for the engine
         # thread plus the engine's own waiting requests at the last snapshot.
         self._pending_adds = 0
         self._engine_waiting = 0
-        self._stats: Any = None
+        self._stats = engine.stats()
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
         self._live_ids: set[str] = set()  # engine thread only: added and not finished or aborted
         self._accepting = True
@@ -140,7 +155,6 @@ class AsyncLLMEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
         self._thread.start()
 
@@ -166,7 +180,7 @@ class AsyncLLMEngine:
         """Requests accepted and not yet finished."""
         return len(self._streams)
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         """The engine's stats as of its last step (safe from any thread)."""
         return self._stats
 
@@ -182,7 +196,7 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: Any,
+        params: SamplingParams,
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
@@ -201,7 +215,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         assert self._loop is not None, "start() the engine first"
         future = self._loop.create_future()
-        stream = RequestStream(request_id, getattr(params, "n", 1))
+        stream = RequestStream(request_id, params)
         with self._wakeup:
             if (
                 self.max_waiting_requests is not None
@@ -245,7 +259,7 @@ class AsyncLLMEngine:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         num_speculative_tokens: int | None = None,
-    ) -> Any:
+    ) -> EngineStats:
         """Change the engine's limits between steps (all or none); returns the stats after the change."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
@@ -254,12 +268,12 @@ class AsyncLLMEngine:
         self._enqueue(_SetLimits(max_num_seqs, max_num_batched_tokens, num_speculative_tokens, future))
         return await future
 
-    def _enqueue(self, command: Any) -> None:
+    def _enqueue(self, command: _Command) -> None:
         with self._wakeup:
             self._commands.append(command)
             self._wakeup.notify()
 
-    def _dispatch(self, outputs: list[Any]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -276,7 +290,7 @@ class AsyncLLMEngine:
     # ---- the engine thread -------------------------------------------------------
 
     def _run(self) -> None:
-        commands: list[Any] | None = []
+        commands: list[_Command] | None = []
         try:
             while True:
                 commands = self._take_commands()
@@ -299,7 +313,7 @@ class AsyncLLMEngine:
             self._fail_commands(exc, in_hand=commands or [])
             self._call_soon(self._fail_all, exc)
 
-    def _take_commands(self) -> list[Any] | None:
+    def _take_commands(self) -> list[_Command] | None:
         """The queued commands; blocks while the engine is idle. None means: stop."""
         with self._wakeup:
             while not self._commands and not self.engine.has_unfinished_requests():
@@ -310,7 +324,7 @@ class AsyncLLMEngine:
             self._commands.clear()
             return commands
 
-    def _apply(self, commands: Iterable[Any]) -> None:
+    def _apply(self, commands: Iterable[_Command]) -> None:
         applied_adds = 0
         for command in commands:
             if isinstance(command, _Add):
@@ -371,7 +385,7 @@ class AsyncLLMEngine:
             self._engine_waiting = stats.num_waiting
         self._stats = stats
 
-    def _fail_commands(self, error: BaseException, in_hand: list[Any]) -> None:
+    def _fail_commands(self, error: BaseException, in_hand: list[_Command]) -> None:
         """Fails the queued commands and those taken but not all applied when the loop died (the
         one that raised among them: its client would otherwise wait forever)."""
         with self._wakeup:
@@ -381,7 +395,7 @@ class AsyncLLMEngine:
             if isinstance(command, (_Add, _SetLimits)):
                 self._resolve(command.future, EngineDeadError(f"the engine loop has stopped: {error!r}"))
 
-    def _resolve(self, future: asyncio.Future, result: Any) -> None:
+    def _resolve(self, future: asyncio.Future, result: object) -> None:
         def resolve() -> None:
             if future.done():
                 return
@@ -392,7 +406,7 @@ class AsyncLLMEngine:
 
         self._call_soon(resolve)
 
-    def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
+    def _call_soon(self, callback: Callable[..., None], *args: object) -> None:
         assert self._loop is not None
         try:
             self._loop.call_soon_threadsafe(callback, *args)

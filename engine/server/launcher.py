@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.engine.server.args import ArgsError, engine_overrides, load_chat_template, resolve_serve_args
+from kvpilot.engine.server.engine_protocol import Engine
 from kvpilot.engine_contract import TUNING_FILE_KEYS, TUNING_FILE_LORAS_KEY
 
 logger = logging.getLogger("kvpilot.serve")
@@ -43,7 +44,7 @@ def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
         raise TuningFileError(
             f"tuning file {path}: expected a mapping like {{maxNumSeqs: 32}}, got {type(raw).__name__}"
         )
-    values: dict[str, Any] = {}
+    values: dict[str, int | float] = {}
     for key, value in raw.items():
         if key == TUNING_FILE_LORAS_KEY:
             values["lora_modules"] = _lora_modules(path, value)
@@ -197,9 +198,9 @@ def _seconds_since_exec() -> float | None:
     return since_boot - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _log_engine(engine: Any, served_name: str) -> None:
+def _log_engine(engine: Engine, served_name: str) -> None:
     config, resolved, arch = engine.config, engine.resolved, engine.arch
-    from kvpilot.engine.server.api_server import weight_layouts
+    from kvpilot.engine.server.state import weight_layouts
 
     logger.info(
         "loaded %s (%s, %d layers, hidden %d, vocab %d) on %s as %s, attention backend %s, weights %s",

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -21,12 +21,18 @@ from prometheus_client.registry import Collector
 
 from kvpilot import engine_contract as names
 
+if TYPE_CHECKING:
+    from kvpilot.engine.llm_engine import EngineStats
+    from kvpilot.engine.outputs import RequestOutput
+    from kvpilot.engine.step_cost import StepCostSnapshot
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass
 class _Progress:
-    num_tokens: int = 0  # tokens of the request's longest sequence seen so far
+    num_tokens: dict[int, int] = field(default_factory=dict)  # per sequence index: its tokens so far
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # per sequence index, once it ended
     last_token_time: float | None = None
     num_preemptions: int = 0
 
@@ -36,7 +42,7 @@ class EngineStatsCollector(Collector):
 
     def __init__(
         self,
-        stats: Callable[[], Any],
+        stats: Callable[[], EngineStats],
         num_waiting: Callable[[], int],
         model_name: str,
         gpu_memory_utilization: float,
@@ -114,7 +120,7 @@ class EngineStatsCollector(Collector):
         if stats.spec_decode is not None:
             yield from self._spec_decode(stats, gauge, counter)
 
-    def _step_cost(self, cost: Any) -> Iterator[Metric]:
+    def _step_cost(self, cost: StepCostSnapshot) -> Iterator[Metric]:
         """The engine's cost curve (engine/step_cost.py)."""
         sums = CounterMetricFamily(
             names.counter_base_name(names.STEP_COST_SUMS),
@@ -136,7 +142,7 @@ class EngineStatsCollector(Collector):
             durations.add_metric([self._model_name, kind], list(zip(bounds, cumulative)), cost.seconds[kind])
         yield durations
 
-    def _spec_decode(self, stats: Any, gauge: Callable, counter: Callable) -> Iterator[Metric]:
+    def _spec_decode(self, stats: EngineStats, gauge: Callable, counter: Callable) -> Iterator[Metric]:
         """Speculative decoding, only when the engine runs it (vLLM's vllm:spec_decode_* counters)."""
         spec = stats.spec_decode
         yield gauge(
@@ -180,7 +186,7 @@ class ServerMetrics:
         self,
         *,
         model_name: str,
-        stats: Callable[[], Any],
+        stats: Callable[[], EngineStats],
         num_waiting: Callable[[], int],
         gpu_memory_utilization: float,
         model_info: dict[str, str],
@@ -233,11 +239,16 @@ class ServerMetrics:
 
     # ---- StepObserver (engine thread) -------------------------------------------
 
-    def on_step(self, outputs: list[Any], now: float) -> None:
+    def on_step(self, outputs: list[RequestOutput], now: float) -> None:
         for output in outputs:
             progress = self._progress.setdefault(output.request_id, _Progress())
-            num_tokens = max((len(seq.token_ids) for seq in output.outputs), default=0)
-            new_tokens = num_tokens - progress.num_tokens
+            longest_before = max(progress.num_tokens.values(), default=0)
+            for seq in output.outputs:  # deltas: the server asks for RequestOutputKind.DELTA
+                progress.num_tokens[seq.index] = progress.num_tokens.get(seq.index, 0) + len(seq.token_ids)
+                if seq.finish_reason is not None:
+                    progress.finish_reasons[seq.index] = seq.finish_reason
+            # A step's new tokens: how far the request's longest sequence grew.
+            new_tokens = max(progress.num_tokens.values(), default=0) - longest_before
             if new_tokens > 0:
                 if progress.last_token_time is None:
                     self._observe_first_token(output, now)
@@ -247,7 +258,6 @@ class ServerMetrics:
                     per_token = (now - progress.last_token_time) / new_tokens
                     for _ in range(new_tokens):
                         self.inter_token_latency.observe(per_token)
-                progress.num_tokens = num_tokens
                 progress.last_token_time = now
                 progress.num_preemptions = output.metrics.num_preemptions
             if output.finished:
@@ -255,14 +265,15 @@ class ServerMetrics:
                 metrics = output.metrics
                 finished = metrics.finished_time if metrics.finished_time is not None else now
                 self.e2e_request_latency.observe(max(finished - metrics.arrival_time, 0.0))
-                for seq in output.outputs:
-                    self.request_success.labels(self.model_name, seq.finish_reason or "abort").inc()
+                # Counted when the whole request ends: one aborted later counts all its sequences as aborted.
+                for reason in progress.finish_reasons.values():
+                    self.request_success.labels(self.model_name, reason).inc()
 
     def on_abort(self, request_id: str, num_sequences: int) -> None:
         self._progress.pop(request_id, None)
         self.request_success.labels(self.model_name, "abort").inc(num_sequences)
 
-    def _observe_first_token(self, output: Any, now: float) -> None:
+    def _observe_first_token(self, output: RequestOutput, now: float) -> None:
         metrics = output.metrics
         first_token = metrics.first_token_time if metrics.first_token_time is not None else now
         self.time_to_first_token.observe(max(first_token - metrics.arrival_time, 0.0))

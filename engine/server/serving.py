@@ -1,10 +1,10 @@
 """The serving logic behind /v1/completions and /v1/chat/completions.
 
 A request becomes prompt token ids (the chat template comes from the model's
-tokenizer) and SamplingParams, goes to the async engine, and its cumulative
-outputs become one OpenAI response or a stream of Server-Sent Events. Every
-method returns a response model, an ``ErrorResult`` or an async iterator of SSE
-lines; it never raises for a client's mistake.
+tokenizer) and SamplingParams, goes to the async engine, and its delta outputs
+(RequestOutputKind.DELTA) become one OpenAI response or a stream of Server-Sent Events. Every
+method returns a response model or an async iterator of SSE lines, and raises
+``ApiError`` for a request it refuses.
 """
 
 from __future__ import annotations
@@ -14,17 +14,20 @@ import asyncio
 import json
 import logging
 import math
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel
+
+from kvpilot.engine.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.request import InvalidRequestError
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.server import protocol as p
 from kvpilot.engine.server import tool_calls
+from kvpilot.engine.server.errors import ApiError, param_from_message
 from kvpilot.engine.structured_outputs import GrammarCompiler, StructuredOutputsParams
 from kvpilot.engine.server.async_engine import (
     AsyncLLMEngine,
@@ -35,43 +38,16 @@ from kvpilot.engine.server.async_engine import (
     RequestStream,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
-# Seconds a rejected client should wait; one engine step is well below it.
-RETRY_AFTER_S = 1
-
-
-@dataclass
-class ErrorResult:
-    status: int
-    body: p.ErrorResponse
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-def error(
-    status: int, message: str, *, param: str | None = None, code: str | None = None, err_type: str | None = None
-) -> ErrorResult:
-    default_type = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        413: "invalid_request_error",
-        429: "rate_limit_error",
-        503: "service_unavailable",
-    }.get(status, "server_error")
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
-    info = p.ErrorInfo(message=message, type=err_type or default_type, param=param, code=code)
-    return ErrorResult(status, p.ErrorResponse(error=info), headers)
-
-
-class ServingError(Exception):
-    """A request problem found deep in the serving logic; becomes an ErrorResult at the edge."""
-
-    def __init__(self, result: ErrorResult) -> None:
-        super().__init__(result.body.error.message)
-        self.result = result
-
+# What the two endpoints' builders take and make.
+_Request = p.CompletionRequest | p.ChatCompletionRequest
+_Chunk = p.CompletionChunk | p.ChatCompletionChunk
+_StreamChoice = p.CompletionChoice | p.ChatStreamChoice
+_Response = p.CompletionResponse | p.ChatCompletionResponse
 
 # SamplingParams names its field first in every message ("temperature: must be ...").
 _SAMPLING_FIELDS = (
@@ -102,20 +78,6 @@ def _constraint(request: p.SamplingFields) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=schema)
 
 
-def param_from_message(message: str, candidates: Sequence[str] = _SAMPLING_FIELDS) -> str | None:
-    """The field a validation message is about: its first word if that is a field
-    (``"stop[0] must be ..."``, ``"temperature: ..."``), else the first field it mentions."""
-    first = re.split(r"[\s:(]", message.strip(), maxsplit=1)[0]
-    if first.split("[")[0] in candidates:
-        return first
-    mentions = [
-        (match.start(), name)
-        for name in candidates
-        if (match := re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message)) is not None
-    ]
-    return min(mentions)[1] if mentions else None
-
-
 @dataclass
 class ModelInfo:
     served_name: str
@@ -138,8 +100,8 @@ class _PromptInput:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model: ModelInfo, grammars: GrammarCompiler,
-                 chat: ChatSettings = ChatSettings()) -> None:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: PreTrainedTokenizerBase, model: ModelInfo,
+                 grammars: GrammarCompiler, chat: ChatSettings = ChatSettings()) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.grammars = grammars
@@ -153,10 +115,10 @@ class OpenAIServing:
         card = p.ModelCard(id=self.model.served_name, root=self.model.root, max_model_len=self.model.max_model_len)
         return p.ModelList(data=[card])
 
-    def check_model(self, requested: str | None) -> ErrorResult | None:
+    def check_model(self, requested: str | None) -> None:
         if requested is None or requested == self.model.served_name:
-            return None
-        return error(
+            return
+        raise ApiError(
             404,
             f"The model `{requested}` does not exist; this server serves `{self.model.served_name}`.",
             param="model",
@@ -166,21 +128,17 @@ class OpenAIServing:
     # ---- completions -------------------------------------------------------------
 
     async def create_completion(
-        self, request: p.CompletionRequest, until_disconnected: Callable[[], Any]
-    ) -> p.CompletionResponse | ErrorResult | AsyncIterator[str]:
-        if (problem := self.check_model(request.model)) is not None:
-            return problem
-        try:
-            prompts = [self._completion_prompt(prompt) for prompt in _split_prompts(request.prompt)]
-            params = [
-                self._sampling_params(request, prompt, request.max_tokens, request.logprobs, "prompt")
-                for prompt in prompts
-            ]
-            request_id = f"cmpl-{uuid.uuid4().hex}"
-            await self._check_constraint(request, params[0])
-            streams = await self._add_all(request_id, prompts, params, "prompt")
-        except ServingError as exc:
-            return exc.result
+        self, request: p.CompletionRequest, until_disconnected: Callable[[], Awaitable[None]]
+    ) -> p.CompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        prompts = [self._completion_prompt(prompt) for prompt in _split_prompts(request.prompt)]
+        params = [
+            self._sampling_params(request, prompt, request.max_tokens, request.logprobs, "prompt")
+            for prompt in prompts
+        ]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        await self._check_constraint(request, params[0])
+        streams = await self._add_all(request_id, prompts, params, "prompt")
         builder = _CompletionBuilder(self, request, request_id, prompts)
         if request.stream:
             return self._stream(streams, builder, until_disconnected)
@@ -194,21 +152,17 @@ class OpenAIServing:
     # ---- chat ----------------------------------------------------------------------
 
     async def create_chat_completion(
-        self, request: p.ChatCompletionRequest, until_disconnected: Callable[[], Any]
-    ) -> p.ChatCompletionResponse | ErrorResult | AsyncIterator[str]:
-        if (problem := self.check_model(request.model)) is not None:
-            return problem
-        try:
-            parser = self._tool_call_parser(request)
-            prompt = self._chat_prompt(request)
-            top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-            params = [self._sampling_params(request, prompt, request.output_token_limit(), top_logprobs, "messages")]
-            request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            await self._check_tools(request)
-            await self._check_constraint(request, params[0])
-            streams = await self._add_all(request_id, [prompt], params, "messages")
-        except ServingError as exc:
-            return exc.result
+        self, request: p.ChatCompletionRequest, until_disconnected: Callable[[], Awaitable[None]]
+    ) -> p.ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        parser = self._tool_call_parser(request)
+        prompt = self._chat_prompt(request)
+        top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = [self._sampling_params(request, prompt, request.output_token_limit(), top_logprobs, "messages")]
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        await self._check_tools(request)
+        await self._check_constraint(request, params[0])
+        streams = await self._add_all(request_id, [prompt], params, "messages")
         builder = _ChatBuilder(self, request, request_id, [prompt], parser)
         if request.stream:
             return self._stream(streams, builder, until_disconnected)
@@ -217,26 +171,24 @@ class OpenAIServing:
     def _tool_call_parser(self, request: p.ChatCompletionRequest) -> tool_calls.ToolCallParser | None:
         choice = request.effective_tool_choice()
         if choice == "auto" and self.chat.tool_call_parser is None:
-            raise ServingError(error(
+            raise ApiError(
                 400,
                 "tool_choice: auto needs a server started with --tool-call-parser (one of "
                 f"{', '.join(tool_calls.PARSERS)}) to find the calls in the model's text; send tool_choice "
                 "required or a named function (the output is then constrained to the tools), or none",
                 param="tool_choice",
-            ))
+            )
         return tool_calls.parser_for(choice, self.chat.tool_call_parser)
 
     def _chat_prompt(self, request: p.ChatCompletionRequest) -> _PromptInput:
         if not (self.chat.chat_template or getattr(self.tokenizer, "chat_template", None)):
-            raise ServingError(
-                error(
-                    400,
-                    f"The model `{self.model.served_name}` has no chat template (no chat_template in its "
-                    "tokenizer_config.json), so /v1/chat/completions cannot format messages; use "
-                    "/v1/completions with a plain prompt, or serve a model that ships a chat template.",
-                    param="messages",
-                    code="chat_template_missing",
-                )
+            raise ApiError(
+                400,
+                f"The model `{self.model.served_name}` has no chat template (no chat_template in its "
+                "tokenizer_config.json), so /v1/chat/completions cannot format messages; use "
+                "/v1/completions with a plain prompt, or serve a model that ships a chat template.",
+                param="messages",
+                code="chat_template_missing",
             )
         messages = [_template_message(i, message) for i, message in enumerate(request.messages)]
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
@@ -250,7 +202,7 @@ class OpenAIServing:
                 continue_final_message=request.continue_final_message,
             )
         except Exception as exc:  # the template is the model's own Jinja code and may raise anything
-            raise ServingError(error(400, f"The chat template rejected these messages: {exc}", param="messages"))
+            raise ApiError(400, f"The chat template rejected these messages: {exc}", param="messages") from None
         # The rendered template already holds the BOS text, if the model uses one.
         return _PromptInput(self.tokenizer.encode(text, add_special_tokens=False), text)
 
@@ -267,49 +219,49 @@ class OpenAIServing:
         limit = self.model.max_model_len
         num_prompt = len(prompt.token_ids)
         if num_prompt >= limit:
-            raise ServingError(
-                error(
-                    400,
-                    f"This model's maximum context length is {limit} tokens, but the prompt has {num_prompt} "
-                    f"tokens, leaving no room to generate. Shorten the {prompt_param}.",
-                    param=prompt_param,
-                    code="context_length_exceeded",
-                )
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but the prompt has {num_prompt} "
+                f"tokens, leaving no room to generate. Shorten the {prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
             )
         if max_tokens is None:
             max_tokens = limit - num_prompt
         elif num_prompt + max_tokens > limit:
-            raise ServingError(
-                error(
-                    400,
-                    f"This model's maximum context length is {limit} tokens, but you requested "
-                    f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
-                    f"completion). Lower max_tokens to at most {limit - num_prompt} or shorten the {prompt_param}.",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                f"completion). Lower max_tokens to at most {limit - num_prompt} or shorten the {prompt_param}.",
+                param="max_tokens",
+                code="context_length_exceeded",
             )
-        values: dict[str, Any] = {
-            "n": request.n,
-            "seed": request.seed,
-            "stop": request.stop or [],
-            "stop_token_ids": request.stop_token_ids or [],
-            "ignore_eos": request.ignore_eos,
-            "max_tokens": max_tokens,
-            "min_tokens": request.min_tokens,
-            "logprobs": logprobs,
-            "skip_special_tokens": request.skip_special_tokens,
-            "include_stop_str_in_output": request.include_stop_str_in_output,
+        # Those the client left out keep SamplingParams' defaults.
+        given: dict[str, float] = {
+            name: value
+            for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                         "repetition_penalty")  # fmt: skip
+            if (value := getattr(request, name)) is not None
         }
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):  # fmt: skip
-            if (value := getattr(request, name)) is not None:
-                values[name] = value
         try:
-            values["structured_outputs"] = _constraint(request)
-            return SamplingParams(**values)
+            return SamplingParams(
+                n=request.n,
+                seed=request.seed,
+                stop=request.stop or [],
+                stop_token_ids=request.stop_token_ids or [],
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                structured_outputs=_constraint(request),
+                output_kind=RequestOutputKind.DELTA,
+                **given,
+            )
         except ValueError as exc:
-            raise ServingError(error(400, str(exc), param=param_from_message(str(exc)))) from None
+            raise ApiError(400, str(exc), param=param_from_message(str(exc), _SAMPLING_FIELDS)) from None
 
     async def _check_tools(self, request: p.ChatCompletionRequest) -> None:
         """Each tool's parameters compiled as a JSON schema (cached across requests), so a schema the
@@ -323,7 +275,7 @@ class OpenAIServing:
             except InvalidRequestError as exc:
                 problem = str(exc).partition(": ")[2]
                 field = f"tools[{i}].function.parameters"
-                raise ServingError(error(400, f"{field}: {problem}", param=field)) from None
+                raise ApiError(400, f"{field}: {problem}", param=field) from None
 
     async def _check_constraint(self, request: p.SamplingFields, params: SamplingParams) -> None:
         """A structured-output constraint compiled off the engine's thread (it takes the vocabulary's
@@ -339,7 +291,7 @@ class OpenAIServing:
                 field = "tool_choice"  # the tools' schemas compile one by one (_check_tools), not together
             elif request.structured_outputs is None:  # it came from response_format
                 field = "response_format.json_schema.schema" if field.endswith(".json") else "response_format"
-            raise ServingError(error(400, f"{field}: {problem}", param=field)) from None
+            raise ApiError(400, f"{field}: {problem}", param=field) from None
 
     async def _add_all(
         self, request_id: str, prompts: list[_PromptInput], params: list[SamplingParams], prompt_param: str
@@ -358,34 +310,37 @@ class OpenAIServing:
             for stream in streams:
                 self.engine.abort(stream.request_id)
             if isinstance(exc, EngineOverloadedError):
-                raise ServingError(error(429, str(exc), code="queue_full")) from None
+                raise ApiError(429, str(exc), code="queue_full") from None
             if isinstance(exc, EngineDrainingError):
-                raise ServingError(error(503, str(exc), code="shutting_down")) from None
+                raise ApiError(503, str(exc), code="shutting_down") from None
             if isinstance(exc, EngineDeadError):
-                raise ServingError(error(503, str(exc), code="engine_dead", err_type="server_error")) from None
+                raise ApiError(503, str(exc), code="engine_dead", error_type="server_error") from None
             if isinstance(exc, ValueError):
                 # The engine refuses prompts (empty, token id outside the vocabulary) and names them.
-                param = param_from_message(str(exc)) or prompt_param
-                raise ServingError(error(400, str(exc), param=param)) from None
+                param = param_from_message(str(exc), _SAMPLING_FIELDS) or prompt_param
+                raise ApiError(400, str(exc), param=param) from None
             raise
         return streams
 
     async def _collect(
-        self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Any]
-    ) -> Any:
-        finals: list[Any] = [None] * len(streams)
+        self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Awaitable[None]]
+    ) -> _Response:
+        finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             async with _AbortOnDisconnect(self.engine, streams, until_disconnected):
                 async for index, output in _merge(streams):
-                    finals[index] = output
+                    if (so_far := finals[index]) is None:
+                        finals[index] = output
+                    else:
+                        so_far.add(output)
         except EngineDeadError as exc:
-            return error(503, str(exc), code="engine_dead", err_type="server_error")
+            raise ApiError(503, str(exc), code="engine_dead", error_type="server_error") from None
         except RequestAbortedError as exc:
-            return error(503, str(exc), code="aborted", err_type="server_error")
+            raise ApiError(503, str(exc), code="aborted", error_type="server_error") from None
         return builder.full_response(finals)
 
     async def _stream(
-        self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Any]
+        self, streams: list[RequestStream], builder: _ResponseBuilder, until_disconnected: Callable[[], Awaitable[None]]
     ) -> AsyncIterator[str]:
         try:
             async with _AbortOnDisconnect(self.engine, streams, until_disconnected):
@@ -397,7 +352,7 @@ class OpenAIServing:
                 if (usage := builder.final_usage_chunk()) is not None:
                     yield _sse(usage)
         except (EngineDeadError, RequestAbortedError) as exc:
-            yield _sse(error(503, str(exc), err_type="server_error").body)
+            yield _sse(ApiError(503, str(exc), error_type="server_error").body)
         yield "data: [DONE]\n\n"
 
     def token_text(self, token_id: int) -> str:
@@ -422,7 +377,7 @@ def _template_message(index: int, message: p.ChatMessage) -> dict[str, Any]:
                 arguments = json.loads(call.function.arguments)
             except json.JSONDecodeError as exc:
                 field = f"messages[{index}].tool_calls[{j}].function.arguments"
-                raise ServingError(error(400, f"{field}: not valid JSON ({exc})", param=field)) from None
+                raise ApiError(400, f"{field}: not valid JSON ({exc})", param=field) from None
             rendered["tool_calls"].append({"id": call.id, "type": "function",
                                            "function": {"name": call.function.name, "arguments": arguments}})
     return rendered
@@ -436,18 +391,17 @@ def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> lis
     return list(prompt)
 
 
-def _sse(model: Any) -> str:
+def _sse(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()  # None: it ended
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
@@ -455,14 +409,14 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]
                 queue.put_nowait((index, output))
         except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
             queue.put_nowait((index, exc))
-        queue.put_nowait((index, done))
+        queue.put_nowait((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(streams)
         while remaining:
             index, item = await queue.get()
-            if item is done:
+            if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
@@ -480,7 +434,9 @@ class _AbortOnDisconnect:
     connection is gone (api_server.py passes a listener on the ASGI receive channel).
     """
 
-    def __init__(self, engine: AsyncLLMEngine, streams: list[RequestStream], until_disconnected: Callable[[], Any]):
+    def __init__(
+        self, engine: AsyncLLMEngine, streams: list[RequestStream], until_disconnected: Callable[[], Awaitable[None]]
+    ) -> None:
         self._engine = engine
         self._streams = streams
         self._until_disconnected = until_disconnected
@@ -501,7 +457,7 @@ class _AbortOnDisconnect:
             if not stream.finished:
                 self._engine.abort(stream.request_id)
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         assert self._watcher is not None
         self._watcher.cancel()
         # Reached early (an exception, or the consumer closed the stream): free the blocks now.
@@ -509,110 +465,93 @@ class _AbortOnDisconnect:
 
 
 class _ResponseBuilder(abc.ABC):
-    """Turns cumulative engine outputs into one response or into stream chunks."""
+    """Turns the engine's delta outputs into stream chunks, or their sum into one response."""
 
-    def __init__(self, serving: OpenAIServing, request: Any, request_id: str, prompts: list[_PromptInput]) -> None:
+    def __init__(self, serving: OpenAIServing, request: _Request, request_id: str, prompts: list[_PromptInput]) -> None:
         self.serving = serving
         self.request = request
         self.request_id = request_id
         self.prompts = prompts
         self.n = request.n
         self.created = int(time.time())
-        stop = request.stop
-        self.stops: tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        # Per choice (prompt index * n + sequence index): what was already streamed.
+        # Per choice (prompt index * n + sequence index): characters streamed so far, and a delta
+        # without text (a partial character, text the engine holds back) waiting for the next one.
         self._sent_text: dict[int, int] = {}
-        self._sent_tokens: dict[int, int] = {}
-        self._finished: set[int] = set()
-        self._last: dict[int, Any] = {}  # latest RequestOutput per prompt, for usage
+        self._held: dict[int, CompletionOutput] = {}
+        self._completion_tokens = 0
+        self._cached_tokens: dict[int, int] = {}  # per prompt
 
-    def usage(self, finals: list[Any]) -> p.UsageInfo:
+    def usage(self, completion_tokens: int, cached_tokens: int) -> p.UsageInfo:
         prompt_tokens = sum(len(prompt.token_ids) for prompt in self.prompts)
-        completion = sum(len(seq.token_ids) for out in finals if out is not None for seq in out.outputs)
-        cached = sum(out.num_cached_tokens for out in finals if out is not None)
         return p.UsageInfo(
             prompt_tokens=prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=prompt_tokens + completion,
-            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
     def include_usage(self) -> bool:
         return bool(self.request.stream_options and self.request.stream_options.include_usage)
 
-    def first_chunks(self) -> list[Any]:
+    def first_chunks(self) -> list[_Chunk]:
         return []
 
-    def chunks(self, prompt_index: int, output: Any) -> list[Any]:
-        """Chunks for what is new in ``output`` (cumulative) since the last call."""
-        self._last[prompt_index] = output
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[_Chunk]:
+        """Chunks for the delta ``output``."""
+        self._cached_tokens[prompt_index] = output.num_cached_tokens
         chunks = []
         for seq in output.outputs:
+            self._completion_tokens += len(seq.token_ids)
             choice = prompt_index * self.n + seq.index
-            if choice in self._finished:
+            if (held := self._held.pop(choice, None)) is not None:
+                held.add(seq)
+                seq = held
+            if not seq.text and seq.finish_reason is None:
+                self._held[choice] = seq
                 continue
-            sent_text = self._sent_text.get(choice, 0)
-            stable_end = len(seq.text)
-            if seq.finish_reason is None:
-                stable_end -= self._possible_stop_prefix_len(seq.text[sent_text:])
-            delta_text = seq.text[sent_text:stable_end]
-            if not delta_text and seq.finish_reason is None:
-                continue  # tokens without text yet (a partial character, a possible stop string)
-            sent_tokens = self._sent_tokens.get(choice, 0)
-            if (chunk := self.delta_chunk(choice, prompt_index, seq, delta_text, sent_tokens)) is not None:
+            if (chunk := self.delta_chunk(choice, prompt_index, seq)) is not None:
                 chunks.append(chunk)
-            self._sent_text[choice] = stable_end
-            self._sent_tokens[choice] = len(seq.token_ids)
-            if seq.finish_reason is not None:
-                self._finished.add(choice)
+            self._sent_text[choice] = self._sent_text.get(choice, 0) + len(seq.text)
         return chunks
 
-    def _possible_stop_prefix_len(self, unsent: str) -> int:
-        """Length of the longest tail of ``unsent`` that a stop string starts with.
-
-        The engine's text drops a stop string only once it has fully appeared, so
-        a tail that may still grow into one is held back: streamed text is then
-        always a prefix of the final text.
-        """
-        if self.request.include_stop_str_in_output or not self.stops:
-            return 0
-        for length in range(min(len(unsent), max(map(len, self.stops)) - 1), 0, -1):
-            if any(stop.startswith(unsent[-length:]) for stop in self.stops):
-                return length
-        return 0
-
-    def final_usage_chunk(self) -> Any | None:
+    def final_usage_chunk(self) -> _Chunk | None:
         if not self.include_usage():
             return None
-        return self.chunk_model(choices=[], usage=self.usage(list(self._last.values())))
+        usage = self.usage(self._completion_tokens, sum(self._cached_tokens.values()))
+        return self.chunk_model(choices=[], usage=usage)
+
+    def final_usage(self, finals: list[RequestOutput]) -> p.UsageInfo:
+        completion_tokens = sum(len(seq.token_ids) for output in finals for seq in output.outputs)
+        return self.usage(completion_tokens, sum(output.num_cached_tokens for output in finals))
 
     @abc.abstractmethod
-    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any | None:
-        """The chunk carrying ``delta_text`` and the logprobs of tokens from ``sent_tokens`` on (None:
-        nothing to send yet)."""
+    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> _Chunk | None:
+        """The chunk carrying the delta ``seq``'s text and logprobs (None: nothing to send yet)."""
 
     @abc.abstractmethod
-    def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> Any:
+    def chunk_model(self, choices: list[_StreamChoice], usage: p.UsageInfo | None = None) -> _Chunk:
         """A stream chunk of this endpoint's type."""
 
     @abc.abstractmethod
-    def full_response(self, finals: list[Any]) -> Any:
+    def full_response(self, finals: list[RequestOutput]) -> _Response:
         """The non-streamed response from each prompt's finished output."""
 
 
 class _CompletionBuilder(_ResponseBuilder):
+    request: p.CompletionRequest
+
     def _echo_prefix(self, prompt_index: int, choice: int) -> str:
         if not self.request.echo or choice in self._sent_text:
             return ""
         prompt = self.prompts[prompt_index]
         return prompt.text if prompt.text is not None else self.serving.tokenizer.decode(prompt.token_ids)
 
-    def _logprobs(self, seq: Any, start: int, text_offset: int) -> p.CompletionLogprobs | None:
+    def _logprobs(self, seq: CompletionOutput, text_offset: int) -> p.CompletionLogprobs | None:
         if self.request.logprobs is None or seq.logprobs is None:
             return None
         result = p.CompletionLogprobs()
         offset = text_offset
-        for token_id, top in zip(seq.token_ids[start:], seq.logprobs[start:], strict=True):
+        for token_id, top in zip(seq.token_ids, seq.logprobs, strict=True):
             token = self.serving.token_text(token_id)
             result.tokens.append(token)
             result.token_logprobs.append(_finite(top.get(token_id)))
@@ -621,27 +560,27 @@ class _CompletionBuilder(_ResponseBuilder):
             offset += len(token)
         return result
 
-    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any:
+    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> p.CompletionChunk:
         prefix = self._echo_prefix(prompt_index, choice)
         offset = self._sent_text.get(choice, 0)
         return self.chunk_model(
             [
                 p.CompletionChoice(
                     index=choice,
-                    text=prefix + delta_text,
-                    logprobs=self._logprobs(seq, sent_tokens, offset + len(prefix)),
+                    text=prefix + seq.text,
+                    logprobs=self._logprobs(seq, offset + len(prefix)),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             ]
         )
 
-    def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> p.CompletionChunk:
+    def chunk_model(self, choices: list[_StreamChoice], usage: p.UsageInfo | None = None) -> p.CompletionChunk:
         return p.CompletionChunk(
             id=self.request_id, created=self.created, model=self.serving.model.served_name, choices=choices, usage=usage
         )
 
-    def full_response(self, finals: list[Any]) -> p.CompletionResponse:
+    def full_response(self, finals: list[RequestOutput]) -> p.CompletionResponse:
         choices = []
         for prompt_index, output in enumerate(finals):
             for seq in output.outputs:
@@ -651,7 +590,7 @@ class _CompletionBuilder(_ResponseBuilder):
                     p.CompletionChoice(
                         index=choice,
                         text=prefix + seq.text,
-                        logprobs=self._logprobs(seq, 0, len(prefix)),
+                        logprobs=self._logprobs(seq, len(prefix)),
                         finish_reason=seq.finish_reason,
                         stop_reason=seq.stop_reason,
                     )
@@ -662,11 +601,13 @@ class _CompletionBuilder(_ResponseBuilder):
             created=self.created,
             model=self.serving.model.served_name,
             choices=choices,
-            usage=self.usage(finals),
+            usage=self.final_usage(finals),
         )
 
 
 class _ChatBuilder(_ResponseBuilder):
+    request: p.ChatCompletionRequest
+
     def __init__(self, serving: OpenAIServing, request: p.ChatCompletionRequest, request_id: str,
                  prompts: list[_PromptInput], parser: tool_calls.ToolCallParser | None) -> None:
         super().__init__(serving, request, request_id, prompts)
@@ -684,9 +625,9 @@ class _ChatBuilder(_ResponseBuilder):
         parsed.calls = [call for call in parsed.calls if call.name]  # unnamed ones are not calls (yet)
         return parsed
 
-    def _tool_delta(self, choice: int, seq: Any, delta_text: str) -> tuple[p.DeltaMessage, str | None]:
+    def _tool_delta(self, choice: int, seq: CompletionOutput) -> tuple[p.DeltaMessage, str | None]:
         """What the parser makes of the text so far, less what was sent, and the finish reason."""
-        text = self._text[choice] = self._text.get(choice, "") + delta_text
+        text = self._text[choice] = self._text.get(choice, "") + seq.text
         parsed = self._parse(text, seq.finish_reason is not None)
         sent_content = self._sent_content.get(choice, 0)
         content = parsed.content[sent_content:]
@@ -707,61 +648,61 @@ class _ChatBuilder(_ResponseBuilder):
         return delta, self._finish_reason(seq, parsed)
 
     @staticmethod
-    def _finish_reason(seq: Any, parsed: tool_calls.Parsed) -> str | None:
+    def _finish_reason(seq: CompletionOutput, parsed: tool_calls.Parsed) -> str | None:
         return "tool_calls" if parsed.calls and seq.finish_reason == "stop" else seq.finish_reason
 
-    def _logprobs(self, seq: Any, start: int) -> p.ChatLogprobs | None:
+    def _logprobs(self, seq: CompletionOutput) -> p.ChatLogprobs | None:
         if not self.request.logprobs or seq.logprobs is None:
             return None
         k = self.request.top_logprobs or 0
         content = []
-        for token_id, top in zip(seq.token_ids[start:], seq.logprobs[start:], strict=True):
+        for token_id, top in zip(seq.token_ids, seq.logprobs, strict=True):
             best = sorted(top.items(), key=lambda item: item[1], reverse=True)[:k]
             content.append(
                 p.ChatTokenLogprob(
-                    **self._entry(token_id, top.get(token_id)),
-                    top_logprobs=[p.TopLogprob(**self._entry(t, lp)) for t, lp in best],
+                    **self._entry(token_id, top.get(token_id)).model_dump(),
+                    top_logprobs=[self._entry(t, lp) for t, lp in best],
                 )
             )
         return p.ChatLogprobs(content=content)
 
-    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+    def _entry(self, token_id: int, logprob: float | None) -> p.TopLogprob:
         token = self.serving.token_text(token_id)
-        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+        return p.TopLogprob(token=token, logprob=_finite(logprob), bytes=list(token.encode("utf-8")))
 
-    def first_chunks(self) -> list[Any]:
+    def first_chunks(self) -> list[_Chunk]:
         # OpenAI opens every choice with the assistant role and empty content.
         return [
             self.chunk_model([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
             for i in range(self.n)
         ]
 
-    def delta_chunk(self, choice: int, prompt_index: int, seq: Any, delta_text: str, sent_tokens: int) -> Any:
+    def delta_chunk(self, choice: int, prompt_index: int, seq: CompletionOutput) -> p.ChatCompletionChunk | None:
         if self.parser is not None:
-            delta, finish_reason = self._tool_delta(choice, seq, delta_text)
+            delta, finish_reason = self._tool_delta(choice, seq)
             if delta == p.DeltaMessage() and finish_reason is None and not self.request.logprobs:
                 return None  # text held back while it may still be a call
         else:
-            delta = p.DeltaMessage(content=delta_text) if delta_text else p.DeltaMessage()
+            delta = p.DeltaMessage(content=seq.text) if seq.text else p.DeltaMessage()
             finish_reason = seq.finish_reason
         return self.chunk_model(
             [
                 p.ChatStreamChoice(
                     index=choice,
                     delta=delta,
-                    logprobs=self._logprobs(seq, sent_tokens),
+                    logprobs=self._logprobs(seq),
                     finish_reason=finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             ]
         )
 
-    def chunk_model(self, choices: list[Any], usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk:
+    def chunk_model(self, choices: list[_StreamChoice], usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
             id=self.request_id, created=self.created, model=self.serving.model.served_name, choices=choices, usage=usage
         )
 
-    def full_response(self, finals: list[Any]) -> p.ChatCompletionResponse:
+    def full_response(self, finals: list[RequestOutput]) -> p.ChatCompletionResponse:
         (output,) = finals
         choices = []
         for seq in sorted(output.outputs, key=lambda s: s.index):
@@ -774,14 +715,14 @@ class _ChatBuilder(_ResponseBuilder):
                 content = parsed.content.strip() if calls else parsed.content  # the space before a call
                 message = p.ChatResponseMessage(content=content or None, tool_calls=calls)
                 finish_reason = self._finish_reason(seq, parsed)
-            choices.append(p.ChatCompletionChoice(index=seq.index, message=message, logprobs=self._logprobs(seq, 0),
+            choices.append(p.ChatCompletionChoice(index=seq.index, message=message, logprobs=self._logprobs(seq),
                                                   finish_reason=finish_reason, stop_reason=seq.stop_reason))
         return p.ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.serving.model.served_name,
             choices=choices,
-            usage=self.usage(finals),
+            usage=self.final_usage(finals),
         )
 
 

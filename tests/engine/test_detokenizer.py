@@ -51,7 +51,10 @@ def test_streamed_text_equals_full_decode_for_random_tokens(tokenizer):
     for _ in range(30):
         ids = [rng.randrange(3, tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
         deltas, _, detok = stream(tokenizer, ids)
-        assert "".join(deltas) == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(deltas) == detok.text
+        # All of it but a character still incomplete at the end, which a full decode shows as U+FFFD.
+        assert full.startswith(detok.text) and not full[len(detok.text):].strip("\ufffd")
 
 
 def test_stop_string_spanning_tokens_is_removed_and_never_streamed(tokenizer):
@@ -97,7 +100,7 @@ def test_hold_back_releases_a_tail_that_stops_matching(tokenizer):
     assert emitted == "we are at the END of it"
 
 
-def test_finishing_flushes_an_incomplete_character(tokenizer):
+def test_a_character_still_incomplete_when_the_output_ends_is_never_shown(tokenizer):
     ids = encode(tokenizer, "ok 你")
     pieces = [tokenizer.decode([i]) for i in ids]
     assert "\ufffd" in pieces[-1]  # the last character is spread over byte tokens
@@ -105,9 +108,7 @@ def test_finishing_flushes_an_incomplete_character(tokenizer):
     for token_id in ids[:-1]:
         detok.append(token_id)
     assert detok.pop_delta(finished=False) == "ok "
-    final = detok.pop_delta(finished=True)
-    assert "ok " + final == tokenizer.decode(ids[:-1]) == detok.text
-    assert final.endswith("\ufffd")
+    assert detok.pop_delta(finished=True) == "" and detok.text == "ok "
 
 
 @pytest.mark.parametrize("skip", [True, False])
