@@ -86,6 +86,7 @@ class _RequestState:
     params: SamplingParams
     metrics: RequestMetrics
     num_unfinished: int
+    lora_request: LoRARequest | None = None
     sequences: list[_Sequence] = field(default_factory=list)
 
 
@@ -223,6 +224,7 @@ class LLMEngine:
             params=params,
             metrics=RequestMetrics(arrival_time=arrival),
             num_unfinished=params.n,
+            lora_request=None if adapter is None else adapter.request,
         )
         for index in range(params.n):
             generator = None
@@ -464,6 +466,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=max(s.request.num_cached_tokens for s in state.sequences),
             metrics=state.metrics,
+            lora_request=state.lora_request,
         )
 
     def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -8,6 +8,10 @@ when the request has finished (FINAL_ONLY).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpilot.engine.lora import LoRARequest
 
 
 @dataclass
@@ -57,6 +61,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    lora_request: LoRARequest | None = None  # the adapter it ran with (None: the model alone)
 
     def add(self, later: RequestOutput) -> None:
         """Append a later delta output of the same request to this one (DELTA outputs that a slow

@@ -87,6 +87,10 @@ PREFIX_CACHE_HITS = "kvpilot_prefix_cache_hits_total"  # prompt tokens found cac
 PROMPT_TOKENS = "kvpilot_prompt_tokens_total"
 GENERATION_TOKENS = "kvpilot_generation_tokens_total"
 REQUEST_SUCCESS = "kvpilot_request_success_total"  # label: finish_reason
+# Per LoRA adapter (label LORA_NAME_LABEL; only adapters loaded now, so as many series as adapters).
+LORA_REQUESTS = "kvpilot_lora_requests_total"  # finished requests that ran with the adapter
+LORA_GENERATION_TOKENS = "kvpilot_lora_generation_tokens_total"  # tokens generated with it
+LORA_NAME_LABEL = "lora_name"
 ENGINE_STEPS = "kvpilot_engine_steps_total"  # scheduler iterations that ran a forward
 STEP_RUNNING_SEQS = "kvpilot_step_running_seqs_total"  # running requests summed over steps
 

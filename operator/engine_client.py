@@ -79,14 +79,15 @@ class EngineClient:
             return {key: {name: "the admin token Secret is missing" for name in desired} for key in engines}
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
 
-        def call(url: str, path: str, body: dict[str, str] | None = None) -> dict:
+        def call(url: str, path: str, body: dict[str, str] | None = None) -> bytes:
             data = None if body is None else json.dumps(body).encode()
             request = urllib.request.Request(url + path, data, headers, method="GET" if body is None else "POST")
             with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
-                return json.loads(response.read() or b"{}")
+                return response.read()  # a list as JSON; vLLM's load and unload answer a line of text
 
         def sync(url: str) -> dict[str, str | None]:
-            loaded = {a["name"]: a["path"] for a in call(url, contract.ADMIN_LORA_ADAPTERS_PATH)["data"]}
+            listed = json.loads(call(url, contract.ADMIN_LORA_ADAPTERS_PATH))["data"]
+            loaded = {adapter["name"]: adapter["path"] for adapter in listed}
             unload, load = lora_changes(loaded, desired)
             states: dict[str, str | None] = {}
             for name in unload:

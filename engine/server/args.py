@@ -64,6 +64,14 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """NAME=PATH, as vLLM's --lora-modules takes it."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter's name and its folder), got {text!r}")
+    return name, path
+
+
 def parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -82,6 +90,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     boolean: bool = False  # --x / --no-x
     metavar: str | None = None
+    multiple: bool = False  # one or more values (the environment variable separates them by spaces)
 
     @property
     def option(self) -> str:
@@ -121,6 +130,13 @@ SERVE_FLAGS = (
     Flag("speculative_config", "speculative decoding, vLLM's keys as JSON: {\"method\": \"ngram\", "
          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, "
          "\"disable_by_batch_size\": 4} (see docs/speculative.md; default off)", type=json_object, metavar="JSON"),
+    Flag("enable_lora", "serve LoRA adapters on top of the model (on by itself with --lora-modules)", boolean=True),
+    Flag("lora_modules", "LoRA adapters to serve, each NAME=PATH (a PEFT folder: adapter_config.json, "
+         "adapter_model.safetensors); clients send NAME as `model`", type=lora_module, multiple=True,
+         metavar="NAME=PATH"),
+    Flag("max_loras", "LoRA adapters resident at once; requests for others wait for a slot (default 1)",
+         type=positive_int),
+    Flag("max_lora_rank", "largest rank an adapter may have (default 16)", type=positive_int),
     Flag("max_waiting_requests", "requests that may wait for a batch slot; beyond it 429 + Retry-After",
          type=positive_int, default=1024),
     Flag("max_request_bytes", "largest request body accepted; beyond it 413 (default 32MiB)", type=parse_size,
@@ -147,7 +163,7 @@ SERVE_FLAGS = (
 ENGINE_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "gpu_memory_utilization",
     "kv_cache_memory", "cpu_memory_limit", "dtype", "device", "attention_backend", "quantization", "enforce_eager", "enable_prefix_caching",
-    "enable_chunked_prefill", "seed", "speculative_config",
+    "enable_chunked_prefill", "seed", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
 )  # fmt: skip
 
 EPILOG = (
@@ -171,7 +187,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=flag.help + suffix)
         else:
             parser.add_argument(flag.option, dest=flag.dest, type=flag.type, choices=flag.choices, default=None,
-                                metavar=flag.metavar, help=flag.help + suffix)
+                                metavar=flag.metavar, help=flag.help + suffix, nargs="+" if flag.multiple else None)
 
 
 def resolve_serve_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
@@ -193,11 +209,20 @@ def resolve_serve_args(args: argparse.Namespace, environ: Mapping[str, str] = os
         values[flag.dest] = _convert_env(flag, raw)
     if values["served_model_name"] is None:
         values["served_model_name"] = values["model"]
+    names = [name for name, _ in values["lora_modules"] or []]
+    duplicates = sorted({n for n in names if names.count(n) > 1} | ({values["served_model_name"]} & set(names)))
+    if duplicates:
+        raise ArgsError(f"--lora-modules: {', '.join(duplicates)} named twice (or like --served-model-name); "
+                        "give each adapter a name of its own")
+    if values["lora_modules"] and values["enable_lora"] is None:
+        values["enable_lora"] = True
     return argparse.Namespace(**values)
 
 
 def _convert_env(flag: Flag, raw: str) -> Any:
     try:
+        if flag.multiple:
+            return [flag.type(part) for part in raw.split()]
         value = parse_bool(raw) if flag.boolean else flag.type(raw)
     except (ValueError, argparse.ArgumentTypeError) as exc:
         raise ArgsError(f"{flag.env}={raw!r} (for {flag.option}): {exc}") from None

@@ -1,7 +1,8 @@
 """Runs the synchronous ``LLMEngine`` on one background thread for the asyncio server.
 
 The engine is not thread-safe, so exactly one thread ever calls it. The event
-loop hands it work through a command queue (add, abort, change limits); the
+loop hands it work through a command queue (add, abort, change limits, load or
+unload a LoRA adapter); the
 engine thread applies the queued commands between steps, runs ``step()``, and
 delivers each step's outputs to per-request asyncio queues with one
 ``loop.call_soon_threadsafe`` per step. If the loop raises, the engine is
@@ -25,6 +26,7 @@ from kvpilot.engine.server.engine_protocol import Engine
 
 if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import EngineStats
+    from kvpilot.engine.lora import LoRAAdapter, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,7 @@ class _Add:
     prompt: str | None
     arrival_time: float
     future: asyncio.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -118,7 +121,16 @@ class _SetLimits:
     future: asyncio.Future
 
 
-_Command = _Add | _Abort | _SetLimits
+@dataclass
+class _LoRA:
+    """Load (``request``) or unload (``name``) a LoRA adapter between steps."""
+
+    request: LoRARequest | None
+    name: str | None
+    future: asyncio.Future
+
+
+_Command = _Add | _Abort | _SetLimits | _LoRA
 
 
 class AsyncLLMEngine:
@@ -150,6 +162,9 @@ class AsyncLLMEngine:
         self._live_ids: set[str] = set()  # engine thread only: added and not finished or aborted
         self._accepting = True
         self.dead_error: BaseException | None = None
+        # The LoRA adapters requests may name, by name: event-loop thread only, changed by load_lora and
+        # unload_lora (the engine's own list is the engine thread's).
+        self.loras: dict[str, LoRAAdapter] = {adapter.name: adapter for adapter in engine.list_loras()}
 
     # ---- lifecycle (event loop) ------------------------------------------------
 
@@ -200,6 +215,7 @@ class AsyncLLMEngine:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it.
 
@@ -228,7 +244,8 @@ class AsyncLLMEngine:
             self._pending_adds += 1
             self._streams[request_id] = stream
             self._commands.append(
-                _Add(request_id, prompt_token_ids, params, prompt, arrival_time or time.monotonic(), future)
+                _Add(request_id, prompt_token_ids, params, prompt, arrival_time or time.monotonic(), future,
+                     lora_request)
             )
             self._wakeup.notify()
         try:
@@ -267,6 +284,29 @@ class AsyncLLMEngine:
         future = self._loop.create_future()
         self._enqueue(_SetLimits(max_num_seqs, max_num_batched_tokens, num_speculative_tokens, future))
         return await future
+
+    async def load_lora(self, request: LoRARequest) -> LoRAAdapter:
+        """Read an adapter between steps (raises its LoRAError); requests may name it once this returns."""
+        return await self._lora_command(_LoRA(request, None, self._new_future()))
+
+    async def unload_lora(self, name: str) -> LoRAAdapter:
+        """Forget an adapter between steps: new requests cannot name it, running ones finish with it."""
+        return await self._lora_command(_LoRA(None, name, self._new_future()))
+
+    async def _lora_command(self, command: _LoRA) -> LoRAAdapter:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
+        self._enqueue(command)
+        adapter = await command.future
+        if command.request is not None:
+            self.loras[adapter.name] = adapter
+        else:
+            self.loras.pop(adapter.name, None)
+        return adapter
+
+    def _new_future(self) -> asyncio.Future:
+        assert self._loop is not None, "start() the engine first"
+        return self._loop.create_future()
 
     def _enqueue(self, command: _Command) -> None:
         with self._wakeup:
@@ -339,6 +379,8 @@ class AsyncLLMEngine:
                 if self._observer is not None:
                     for request_id in live:
                         self._observer.on_abort(request_id, command.num_sequences)
+            elif isinstance(command, _LoRA):
+                self._apply_lora(command)
             else:
                 self._apply_set_limits(command)
         self._snapshot(applied_adds)
@@ -353,12 +395,24 @@ class AsyncLLMEngine:
                 command.params,
                 arrival_time=command.arrival_time,
                 prompt=command.prompt,
+                lora_request=command.lora_request,
             )
         except ValueError as exc:
             self._resolve(command.future, exc)
         else:
             self._live_ids.add(command.request_id)
             self._resolve(command.future, None)
+
+    def _apply_lora(self, command: _LoRA) -> None:
+        try:
+            if command.request is not None:
+                adapter = self.engine.add_lora(command.request)
+            else:
+                adapter = self.engine.remove_lora(command.name)
+        except ValueError as exc:  # LoRAError, or LoRA off (InvalidRequestError): both say what to do
+            self._resolve(command.future, exc)
+            return
+        self._resolve(command.future, adapter)
 
     def _apply_set_limits(self, command: _SetLimits) -> None:
         before = self.engine.stats()

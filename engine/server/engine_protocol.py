@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from kvpilot.engine.config import EngineConfig, ResolvedConfig
     from kvpilot.engine.llm_engine import EngineStats
+    from kvpilot.engine.lora import LoRAAdapter, LoRARequest
     from kvpilot.engine.model_runner import ModelRunner
     from kvpilot.engine.models import ModelArch
     from kvpilot.engine.outputs import RequestOutput
@@ -39,7 +40,14 @@ class Engine(Protocol):
         params: SamplingParams,
         arrival_time: float | None = None,
         prompt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRAAdapter: ...
+
+    def remove_lora(self, lora_name: str) -> LoRAAdapter: ...
+
+    def list_loras(self) -> list[LoRAAdapter]: ...
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None: ...
 

@@ -44,7 +44,7 @@ def load_tuning_file(path: str | Path) -> dict[str, Any] | None:
         raise TuningFileError(
             f"tuning file {path}: expected a mapping like {{maxNumSeqs: 32}}, got {type(raw).__name__}"
         )
-    values: dict[str, int | float] = {}
+    values: dict[str, Any] = {}
     for key, value in raw.items():
         if key == TUNING_FILE_LORAS_KEY:
             values["lora_modules"] = _lora_modules(path, value)
@@ -75,6 +75,26 @@ def _lora_modules(path: Path, value: Any) -> dict[str, str]:
                                   f"got {entry!r}")
         modules[entry["name"]] = entry["path"]
     return modules
+
+
+def _load_loras(engine: Engine, from_flags: dict[str, str], from_file: dict[str, str]) -> None:
+    """The adapters of --lora-modules (one that fails stops the start: the user named it) and of the
+    tuning file (one that fails is logged and skipped: the operator reports it and the model serves)."""
+    from kvpilot.engine.lora import LoRAError, LoRARequest
+
+    if from_file and not engine.config.enable_lora:
+        logger.warning("tuning file lists LoRA adapters (%s) but LoRA is off (--enable-lora): not loading them",
+                       ", ".join(from_file))
+        return
+    for index, (name, path) in enumerate({**from_file, **from_flags}.items(), start=1):
+        try:
+            adapter = engine.add_lora(LoRARequest(name, index, path))
+        except LoRAError as exc:
+            if name in from_flags:
+                raise
+            logger.error("LoRA adapter from the tuning file not loaded: %s", exc)
+            continue
+        logger.info("LoRA adapter %r: rank %d from %s", adapter.name, adapter.rank, path)
 
 
 def _checked_chat_template(value: str) -> str:
@@ -110,6 +130,7 @@ def run_server(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     overrides = engine_overrides(args)
+    loras_from_file: dict[str, str] = {}
     if args.tuning_file is not None:
         try:
             tuned = load_tuning_file(args.tuning_file)
@@ -119,6 +140,7 @@ def run_server(args: argparse.Namespace) -> int:
         if tuned is None:
             logger.info("tuning file %s does not exist (yet): using the flags", args.tuning_file)
         else:
+            loras_from_file = tuned.pop("lora_modules", {})
             changes = {k: (overrides.get(k), v) for k, v in tuned.items() if overrides.get(k) != v}
             logger.info(
                 "tuning file %s overrides the flags: %s",
@@ -144,6 +166,11 @@ def run_server(args: argparse.Namespace) -> int:
         logger.info("loading %s", args.model)
         engine = LLMEngine.from_config(config)
     except ValueError as exc:  # ConfigError, ModelLoadError: both say what to change
+        print(f"kvpilot serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _load_loras(engine, dict(args.lora_modules or []), loras_from_file)
+    except ValueError as exc:  # a --lora-modules adapter the user named cannot be served
         print(f"kvpilot serve: error: {exc}", file=sys.stderr)
         return 2
     _log_engine(engine, args.served_model_name)

@@ -235,7 +235,23 @@ class ServerMetrics:
             "Seconds from a preempted request's last token to its next: its wait to be scheduled again.",
             names.REQUEST_LATENCY_BUCKETS,
         )
+        self.lora_requests = Counter(
+            names.counter_base_name(names.LORA_REQUESTS), "Finished requests that ran with a LoRA adapter, by adapter.",
+            labelnames=[names.LORA_NAME_LABEL], registry=self.registry,
+        )
+        self.lora_generation_tokens = Counter(
+            names.counter_base_name(names.LORA_GENERATION_TOKENS), "Tokens generated with a LoRA adapter, by adapter.",
+            labelnames=[names.LORA_NAME_LABEL], registry=self.registry,
+        )
         self._progress: dict[str, _Progress] = {}
+
+    def forget_lora(self, name: str) -> None:
+        """An unloaded adapter's series go, so the label set stays the adapters loaded."""
+        for counter in (self.lora_requests, self.lora_generation_tokens):
+            try:
+                counter.remove(name)
+            except KeyError:  # never used
+                pass
 
     # ---- StepObserver (engine thread) -------------------------------------------
 
@@ -249,6 +265,11 @@ class ServerMetrics:
                     progress.finish_reasons[seq.index] = seq.finish_reason
             # A step's new tokens: how far the request's longest sequence grew.
             new_tokens = max(progress.num_tokens.values(), default=0) - longest_before
+            lora = output.lora_request
+            if lora is not None:
+                self.lora_generation_tokens.labels(lora.lora_name).inc(sum(len(seq.token_ids) for seq in output.outputs))
+                if output.finished:
+                    self.lora_requests.labels(lora.lora_name).inc()
             if new_tokens > 0:
                 if progress.last_token_time is None:
                     self._observe_first_token(output, now)

@@ -404,6 +404,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvpilot"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model, as vLLM lists it
     max_model_len: int | None = None
 
 
@@ -416,3 +417,29 @@ class SchedulerLimits(BaseModel):
     max_num_seqs: int
     max_num_batched_tokens: int
     num_speculative_tokens: int | None = None  # None: the engine runs without speculative decoding
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's /v1/load_lora_adapter body (kvpilot serves it on the admin port)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's /v1/unload_lora_adapter body; its lora_int_id is accepted and not needed."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
+class LoRAAdapterInfo(BaseModel):
+    name: str
+    path: str
+    rank: int
+
+
+class LoRAAdapterList(BaseModel):
+    data: list[LoRAAdapterInfo]

@@ -8,7 +8,7 @@ by raising ``ApiError``.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -16,12 +16,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from kvpilot.engine.lora import LoRAAdapter, LoRAError
 from kvpilot.engine.server import protocol as p
 from kvpilot.engine.server.async_engine import EngineDeadError
 from kvpilot.engine.server.errors import ApiError, param_from_message
 from kvpilot.engine.server.middleware import check_token
 from kvpilot.engine.server.state import ServerState
-from kvpilot.engine_contract import ADMIN_SCHEDULER_PATH, HEALTH_PATH, METRICS_PATH
+from kvpilot.engine_contract import (
+    ADMIN_LOAD_LORA_PATH,
+    ADMIN_LORA_ADAPTERS_PATH,
+    ADMIN_SCHEDULER_PATH,
+    ADMIN_UNLOAD_LORA_PATH,
+    HEALTH_PATH,
+    METRICS_PATH,
+)
 
 if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import EngineStats
@@ -141,3 +149,50 @@ async def set_scheduler(body: p.SchedulerLimitsUpdate, request: Request, state: 
         logger.info("admin: num_speculative_tokens changed: %d -> %d",
                     before.num_speculative_tokens, after.num_speculative_tokens)
     return _render(_limits(after))
+
+
+@admin_routes.get(ADMIN_LORA_ADAPTERS_PATH)
+async def list_lora_adapters(request: Request, state: State) -> Response:
+    _require_admin(request, state)
+    adapters = sorted(state.async_engine.loras.values(), key=lambda a: a.name)
+    return _render(p.LoRAAdapterList(data=[p.LoRAAdapterInfo(name=a.name, path=a.request.lora_path, rank=a.rank)
+                                           for a in adapters]))
+
+
+@admin_routes.post(ADMIN_LOAD_LORA_PATH)
+async def load_lora_adapter(body: p.LoadLoRAAdapterRequest, request: Request, state: State) -> Response:
+    """vLLM's endpoint: the adapter is read and checked now, and requests may name it once this answers."""
+    _require_admin(request, state)
+    if body.lora_name == state.settings.served_model_name:
+        raise ApiError(400, f"lora_name: `{body.lora_name}` is the served model's own name; pick another",
+                       param="lora_name")
+    if body.lora_name in state.async_engine.loras:
+        raise ApiError(400, f"The LoRA adapter `{body.lora_name}` is already loaded; unload it first to load "
+                            "another under that name", param="lora_name")
+    adapter = await _lora_call(state.async_engine.load_lora(state.next_lora_request(body.lora_name, body.lora_path)))
+    logger.info("admin: LoRA adapter %r loaded from %s (rank %d)", adapter.name, body.lora_path, adapter.rank)
+    return Response(f"Success: LoRA adapter '{adapter.name}' added successfully.", media_type="text/plain")
+
+
+@admin_routes.post(ADMIN_UNLOAD_LORA_PATH)
+async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest, request: Request, state: State) -> Response:
+    _require_admin(request, state)
+    if body.lora_name not in state.async_engine.loras:
+        loaded = ", ".join(f"`{n}`" for n in sorted(state.async_engine.loras)) or "none"
+        raise ApiError(404, f"The LoRA adapter `{body.lora_name}` is not loaded; loaded: {loaded}",
+                       param="lora_name", code="model_not_found")
+    adapter = await _lora_call(state.async_engine.unload_lora(body.lora_name))
+    state.metrics.forget_lora(adapter.name)
+    logger.info("admin: LoRA adapter %r unloaded", adapter.name)
+    return Response(f"Success: LoRA adapter '{adapter.name}' removed successfully.", media_type="text/plain")
+
+
+async def _lora_call(call: Awaitable[LoRAAdapter]) -> LoRAAdapter:
+    try:
+        return await call
+    except EngineDeadError as exc:
+        raise ApiError(503, str(exc), code="engine_dead", error_type="server_error") from None
+    except LoRAError as exc:  # names the adapter and the field of its folder at fault
+        raise ApiError(400, str(exc), param="lora_path") from None
+    except ValueError as exc:  # LoRA off: says which flag turns it on
+        raise ApiError(400, str(exc)) from None

@@ -41,6 +41,8 @@ from kvpilot.engine.server.async_engine import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from kvpilot.engine.lora import LoRARequest
+
 logger = logging.getLogger(__name__)
 
 # What the two endpoints' builders take and make.
@@ -112,15 +114,24 @@ class OpenAIServing:
     # ---- models ----------------------------------------------------------------
 
     def list_models(self) -> p.ModelList:
-        card = p.ModelCard(id=self.model.served_name, root=self.model.root, max_model_len=self.model.max_model_len)
-        return p.ModelList(data=[card])
+        """The model, then each LoRA adapter with the model as its parent (as vLLM lists them)."""
+        cards = [p.ModelCard(id=self.model.served_name, root=self.model.root, max_model_len=self.model.max_model_len)]
+        for name, adapter in sorted(self.engine.loras.items()):
+            cards.append(p.ModelCard(id=name, root=adapter.request.lora_path, parent=self.model.served_name,
+                                     max_model_len=self.model.max_model_len))
+        return p.ModelList(data=cards)
 
-    def check_model(self, requested: str | None) -> None:
+    def resolve_model(self, requested: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, None for the model itself; 404 for anything else."""
         if requested is None or requested == self.model.served_name:
-            return
+            return None
+        adapter = self.engine.loras.get(requested)
+        if adapter is not None:
+            return adapter.request
+        names = ", ".join(f"`{n}`" for n in [self.model.served_name, *sorted(self.engine.loras)])
         raise ApiError(
             404,
-            f"The model `{requested}` does not exist; this server serves `{self.model.served_name}`.",
+            f"The model `{requested}` does not exist; this server serves {names}.",
             param="model",
             code="model_not_found",
         )
@@ -130,7 +141,7 @@ class OpenAIServing:
     async def create_completion(
         self, request: p.CompletionRequest, until_disconnected: Callable[[], Awaitable[None]]
     ) -> p.CompletionResponse | AsyncIterator[str]:
-        self.check_model(request.model)
+        lora = self.resolve_model(request.model)
         prompts = [self._completion_prompt(prompt) for prompt in _split_prompts(request.prompt)]
         params = [
             self._sampling_params(request, prompt, request.max_tokens, request.logprobs, "prompt")
@@ -138,7 +149,7 @@ class OpenAIServing:
         ]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         await self._check_constraint(request, params[0])
-        streams = await self._add_all(request_id, prompts, params, "prompt")
+        streams = await self._add_all(request_id, prompts, params, "prompt", lora)
         builder = _CompletionBuilder(self, request, request_id, prompts)
         if request.stream:
             return self._stream(streams, builder, until_disconnected)
@@ -154,7 +165,7 @@ class OpenAIServing:
     async def create_chat_completion(
         self, request: p.ChatCompletionRequest, until_disconnected: Callable[[], Awaitable[None]]
     ) -> p.ChatCompletionResponse | AsyncIterator[str]:
-        self.check_model(request.model)
+        lora = self.resolve_model(request.model)
         parser = self._tool_call_parser(request)
         prompt = self._chat_prompt(request)
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -162,7 +173,7 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         await self._check_tools(request)
         await self._check_constraint(request, params[0])
-        streams = await self._add_all(request_id, [prompt], params, "messages")
+        streams = await self._add_all(request_id, [prompt], params, "messages", lora)
         builder = _ChatBuilder(self, request, request_id, [prompt], parser)
         if request.stream:
             return self._stream(streams, builder, until_disconnected)
@@ -294,7 +305,8 @@ class OpenAIServing:
             raise ApiError(400, f"{field}: {problem}", param=field) from None
 
     async def _add_all(
-        self, request_id: str, prompts: list[_PromptInput], params: list[SamplingParams], prompt_param: str
+        self, request_id: str, prompts: list[_PromptInput], params: list[SamplingParams], prompt_param: str,
+        lora: LoRARequest | None,
     ) -> list[RequestStream]:
         arrival = time.monotonic()
         streams: list[RequestStream] = []
@@ -303,7 +315,8 @@ class OpenAIServing:
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
                     await self.engine.add_request(
-                        engine_id, prompt.token_ids, sampling, prompt=prompt.text, arrival_time=arrival
+                        engine_id, prompt.token_ids, sampling, prompt=prompt.text, arrival_time=arrival,
+                        lora_request=lora,
                     )
                 )
         except BaseException as exc:
@@ -474,6 +487,7 @@ class _ResponseBuilder(abc.ABC):
         self.prompts = prompts
         self.n = request.n
         self.created = int(time.time())
+        self.model_name = request.model or serving.model.served_name  # an adapter's name when it names one
         # Per choice (prompt index * n + sequence index): characters streamed so far, and a delta
         # without text (a partial character, text the engine holds back) waiting for the next one.
         self._sent_text: dict[int, int] = {}
@@ -577,7 +591,7 @@ class _CompletionBuilder(_ResponseBuilder):
 
     def chunk_model(self, choices: list[_StreamChoice], usage: p.UsageInfo | None = None) -> p.CompletionChunk:
         return p.CompletionChunk(
-            id=self.request_id, created=self.created, model=self.serving.model.served_name, choices=choices, usage=usage
+            id=self.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage
         )
 
     def full_response(self, finals: list[RequestOutput]) -> p.CompletionResponse:
@@ -599,7 +613,7 @@ class _CompletionBuilder(_ResponseBuilder):
         return p.CompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=self.serving.model.served_name,
+            model=self.model_name,
             choices=choices,
             usage=self.final_usage(finals),
         )
@@ -699,7 +713,7 @@ class _ChatBuilder(_ResponseBuilder):
 
     def chunk_model(self, choices: list[_StreamChoice], usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.serving.model.served_name, choices=choices, usage=usage
+            id=self.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage
         )
 
     def full_response(self, finals: list[RequestOutput]) -> p.ChatCompletionResponse:
@@ -720,7 +734,7 @@ class _ChatBuilder(_ResponseBuilder):
         return p.ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=self.serving.model.served_name,
+            model=self.model_name,
             choices=choices,
             usage=self.final_usage(finals),
         )

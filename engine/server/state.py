@@ -7,6 +7,7 @@ routes and middleware reach it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from kvpilot.engine.server.serving import ChatSettings, ModelInfo, OpenAIServing
 
 if TYPE_CHECKING:
     import torch
+
+    from kvpilot.engine.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,13 @@ class ServerState:
         )
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        # Each adapter load gets an id of its own, so the prefix cache never mixes two loads' blocks.
+        self._lora_ids = itertools.count(1 + max((a.request.lora_int_id for a in engine.list_loras()), default=0))
+
+    def next_lora_request(self, name: str, path: str) -> LoRARequest:
+        from kvpilot.engine.lora import LoRARequest
+
+        return LoRARequest(name, next(self._lora_ids), path)
 
     def check_available(self) -> None:
         """Refuses a new request with a 503 while draining or after the engine loop died."""

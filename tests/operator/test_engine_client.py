@@ -1,7 +1,7 @@
 """The engine client against a real engine: the walk from a tuner's settings to the engine's scheduler.
 
 A real `kvpilot serve` app (the generated tiny model, on the CPU, in a uvicorn thread) with
-its admin API on; the client scrapes it, pushes settings to it, and fails per engine.
+its admin API on; the client scrapes it, pushes settings and LoRA adapters to it, and fails per engine.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def engine(tiny_model_dir):
     from kvpilot.engine.server.api_server import DrainingServer, ServerSettings, build_app
 
     llm_engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=256,
-                                                    max_num_seqs=4))
+                                                    max_num_seqs=4, enable_lora=True))
     sockets = [_listening_socket(), _listening_socket()]
     port, admin_port = (sock.getsockname()[1] for sock in sockets)
     app = build_app(llm_engine, ServerSettings(served_model_name="tiny", admin_token=TOKEN, admin_port=admin_port))
@@ -103,3 +103,25 @@ def test_failures_are_per_engine_and_say_why(engine):
     collector.ingest(scraped, 0.0)
     result = collector.ingest(client.scrape({"live": url, "dead": dead}), 5.0)
     assert result.unreachable == ["dead"] and result.pods["live"].error is None
+
+
+def test_adapters_are_brought_to_the_desired_set(engine, tiny_model_dir, tmp_path):
+    from kvpilot.engine.model_files import make_lora_adapter
+
+    _, admin, llm_engine = engine
+    paths = {name: str(make_lora_adapter(tmp_path / name, tiny_model_dir, rank=4, seed=seed))
+             for seed, name in enumerate(("a", "b", "a2"))}
+    client = EngineClient(timeout_seconds=30.0)
+
+    def loaded() -> dict[str, str]:
+        return {adapter.name: adapter.request.lora_path for adapter in llm_engine.list_loras()}
+
+    assert client.sync_loras({"pod": admin}, {"a": paths["a"], "b": paths["b"]}, TOKEN) == {"pod": {"a": None, "b": None}}
+    assert loaded() == {"a": paths["a"], "b": paths["b"]}
+    assert client.sync_loras({"pod": admin}, {"a": paths["a2"]}, TOKEN) == {"pod": {"a": None}}
+    assert loaded() == {"a": paths["a2"]}  # b unloaded, a reloaded from its new folder
+    result = client.sync_loras({"pod": admin}, {"a": paths["a2"], "c": str(tmp_path / "missing")}, TOKEN)
+    assert result["pod"]["a"] is None and result["pod"]["c"].startswith("HTTP 400") and "not a folder" in result["pod"]["c"]
+    dead = f"http://127.0.0.1:{_free_port()}"
+    assert "ConnectionRefusedError" in client.sync_loras({"dead": dead}, {"a": paths["a"]}, TOKEN)["dead"]["a"]
+    assert client.sync_loras({"pod": admin}, {"a": paths["a"]}, None) == {"pod": {"a": "the admin token Secret is missing"}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 
 import pytest
 
@@ -146,3 +147,28 @@ def test_tool_call_parser_takes_the_parsers_names():
     assert parse(["/m"], {"KVPILOT_TOOL_CALL_PARSER": "json"}).tool_call_parser == "json"
     with pytest.raises(ArgsError, match="must be one of hermes, json"):
         parse(["/m"], {"KVPILOT_TOOL_CALL_PARSER": "mistral"})
+
+
+def test_lora_modules_from_flags_or_environment_turn_lora_on():
+    args = parse(["/m", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "2"])
+    assert args.lora_modules == [("sql", "/a/sql"), ("chat", "/a/chat")]
+    assert engine_overrides(args) == {"enable_lora": True, "max_loras": 2}
+    from_env = parse(["/m"], {"KVPILOT_LORA_MODULES": "sql=/a/sql chat=/a/chat", "KVPILOT_MAX_LORA_RANK": "64"})
+    assert from_env.lora_modules == [("sql", "/a/sql"), ("chat", "/a/chat")] and from_env.max_lora_rank == 64
+    assert parse(["/m"]).enable_lora is None  # off unless asked for
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["/m", "--lora-modules", "sql=/a", "sql=/b"], {}, "--lora-modules: sql named twice"),
+    (["/m", "--served-model-name", "m", "--lora-modules", "m=/a"], {}, "--lora-modules: m named twice"),
+    (["/m"], {"KVPILOT_LORA_MODULES": "sql"}, "KVPILOT_LORA_MODULES='sql' (for --lora-modules): expected NAME=PATH"),
+])
+def test_bad_lora_modules_name_the_flag(argv, env, message):
+    with pytest.raises(ArgsError, match=re.escape(message)):
+        parse(argv, env)
+
+
+def test_a_lora_module_without_a_path_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        parse(["/m", "--lora-modules", "sql"])
+    assert "expected NAME=PATH" in capsys.readouterr().err
