@@ -91,25 +91,9 @@ class LLM:
         ``lora_request``: the LoRA adapter for all prompts, or one (or None) per prompt (needs enable_lora).
         """
         prompt_list = _as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise InvalidRequestError(
-                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts; "
-                    "pass one SamplingParams, or one per prompt"
-                )
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            lora_list = [lora_request] * len(prompt_list)
-        else:
-            lora_list = list(lora_request)
-            if len(lora_list) != len(prompt_list):
-                raise InvalidRequestError(
-                    f"lora_request: got {len(lora_list)} for {len(prompt_list)} prompts; pass one, or one per prompt"
-                )
+        params_list = _per_prompt("sampling_params", sampling_params or SamplingParams(), SamplingParams,
+                                  len(prompt_list))
+        lora_list = _per_prompt("lora_request", lora_request, LoRARequest, len(prompt_list))
         engine = self.llm_engine
         tokenizer = engine.tokenizer
         request_ids = []
@@ -182,6 +166,18 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [finished[request_id] for request_id in request_ids]
+
+
+def _per_prompt(name: str, value: Any, one: type, num_prompts: int) -> list:
+    """``value`` for every prompt when it is one ``one`` (or None), else its items, one per prompt."""
+    if value is None or isinstance(value, one):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        raise InvalidRequestError(
+            f"{name}: got {len(values)} for {num_prompts} prompts; pass one {one.__name__}, or one per prompt"
+        )
+    return values
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -39,7 +39,8 @@ TOOL_CALL_PARSERS = ("hermes", "json")
 # unloaded live on the admin port with vLLM's bodies: {"lora_name", "lora_path"} and {"lora_name"}.
 ADMIN_LOAD_LORA_PATH = "/v1/load_lora_adapter"
 ADMIN_UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
-ADMIN_LORA_ADAPTERS_PATH = "/admin/v1/lora_adapters"  # GET: {"data": [{"name", "path"}]}, the adapters loaded
+# GET: {"enabled": whether the engine serves adapters, "data": [{"name", "path", "rank"}]}, those loaded
+ADMIN_LORA_ADAPTERS_PATH = "/admin/v1/lora_adapters"
 
 # --- start-up ------------------------------------------------------------------------
 

@@ -74,7 +74,8 @@ class EngineClient:
         """Loads and unloads adapters on each engine (``engines`` maps a key to an ``admin_url``) until
         it holds ``desired`` (name -> folder in the pod); returns key -> adapter name -> None when the
         engine holds it, else why not. An engine that cannot be listed reports every desired adapter
-        with that error."""
+        with that error; one started without LoRA (a pod of the template before spec.loras, about
+        to be replaced) reports nothing."""
         if token is None:
             return {key: {name: "the admin token Secret is missing" for name in desired} for key in engines}
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
@@ -86,8 +87,10 @@ class EngineClient:
                 return response.read()  # a list as JSON; vLLM's load and unload answer a line of text
 
         def sync(url: str) -> dict[str, str | None]:
-            listed = json.loads(call(url, contract.ADMIN_LORA_ADAPTERS_PATH))["data"]
-            loaded = {adapter["name"]: adapter["path"] for adapter in listed}
+            listed = json.loads(call(url, contract.ADMIN_LORA_ADAPTERS_PATH))
+            if not listed["enabled"]:
+                return {}
+            loaded = {adapter["name"]: adapter["path"] for adapter in listed["data"]}
             unload, load = lora_changes(loaded, desired)
             states: dict[str, str | None] = {}
             for name in unload:

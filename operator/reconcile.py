@@ -105,9 +105,10 @@ def _sync_loras(kube: Kube, engines: EngineClient, body: dict[str, Any], spec: I
     results = engines.sync_loras(ready, builders.lora_paths(spec), token)
     before = {(entry["name"], pod["pod"]): pod["state"] for entry in previous or [] for pod in entry.get("pods") or []}
     loras = []
+    serving = sorted(pod for pod, states in results.items() if states)  # not pods started without LoRA
     for source in spec.loras:
         pods_state = []
-        for pod in sorted(results):
+        for pod in serving:
             error = results[pod].get(source.name)
             state = "Loaded" if error is None else "Failed"
             pods_state.append({"pod": pod, "state": state, "message": error})

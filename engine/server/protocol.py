@@ -442,4 +442,5 @@ class LoRAAdapterInfo(BaseModel):
 
 
 class LoRAAdapterList(BaseModel):
+    enabled: bool  # whether the engine serves adapters at all (--enable-lora)
     data: list[LoRAAdapterInfo]

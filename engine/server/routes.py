@@ -155,8 +155,9 @@ async def set_scheduler(body: p.SchedulerLimitsUpdate, request: Request, state: 
 async def list_lora_adapters(request: Request, state: State) -> Response:
     _require_admin(request, state)
     adapters = sorted(state.async_engine.loras.values(), key=lambda a: a.name)
-    return _render(p.LoRAAdapterList(data=[p.LoRAAdapterInfo(name=a.name, path=a.request.lora_path, rank=a.rank)
-                                           for a in adapters]))
+    return _render(p.LoRAAdapterList(
+        enabled=state.async_engine.engine.config.enable_lora,
+        data=[p.LoRAAdapterInfo(name=a.name, path=a.request.lora_path, rank=a.rank) for a in adapters]))
 
 
 @admin_routes.post(ADMIN_LOAD_LORA_PATH)

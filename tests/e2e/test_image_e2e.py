@@ -5,7 +5,8 @@ The chart installs the operator and the gateway from the image; the operator mak
 from the same image for an InferenceService serving a generated tiny model; a completion and a tool
 call (through the spec's chat template and tool-call parser) go through the gateway's hostPort as a
 user's would. The pods' containers are podman containers, and the engine's start (pod created ->
-container started -> engine loaded -> Ready) is printed.
+container started -> engine loaded -> Ready) is printed. Then LoRA adapters in the spec answer by
+name through the gateway, and one added to the spec answers from the same pod, not restarted.
 
 The image is built the first time on a machine (minutes: the Python dependencies, torch included)
 and reused while its inputs are unchanged; the cluster is this module's own (image mode is a
@@ -75,7 +76,10 @@ def _seconds(timestamp: str) -> float:
     return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 
-def test_operator_gateway_and_engine_run_from_the_image(image_cluster, image, readable_model):
+@pytest.fixture(scope="module")
+def deployed(image_cluster, image, readable_model):
+    """The chart from the image with its gateway on a hostPort, and the InferenceService `tiny`
+    Ready: (cluster, kube, the gateway's URL, the engine pod)."""
     cluster = image_cluster
     kube = Kube(cluster.api_client())
     port = free_port()
@@ -102,18 +106,30 @@ def test_operator_gateway_and_engine_run_from_the_image(image_cluster, image, re
     }  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=json.dumps(service))
 
-    def engine_pod() -> dict | None:
-        pods = kube.list("v1", "Pod", NS, label_selector="app.kubernetes.io/instance=tiny")
-        return next((p for p in pods if pod_ready(p)), None)
+    pod = _wait(cluster, kube, lambda: _engine_pod(kube), 600, "the engine pod to be Ready")
+    _wait(cluster, kube, lambda: httpx.get(f"{url}/v1/models", timeout=5).json()["data"], 120, "the gateway to route")
+    return cluster, kube, url, pod
 
+
+def _engine_pod(kube: Kube) -> dict | None:
+    """The Ready engine pod of `tiny` (of its newest template while a rollout replaces one)."""
+    pods = kube.list("v1", "Pod", NS, label_selector="app.kubernetes.io/instance=tiny")
+    return next((p for p in pods if pod_ready(p) and not p["metadata"].get("deletionTimestamp")), None)
+
+
+def _wait(cluster, kube: Kube, predicate, timeout: float, what: str):
+    """wait_until, and on a timeout the pods and their logs in the failure."""
     try:
-        pod = wait_until(engine_pod, 600, "the engine pod to be Ready", interval=1.0)
-        wait_until(lambda: httpx.get(f"{url}/v1/models", timeout=5).json()["data"], 120, "the gateway to route")
+        return wait_until(predicate, timeout, what, interval=1.0)
     except AssertionError as exc:
         logs = {p["metadata"]["name"]: cluster.pod_log(NS, p["metadata"]["name"], p["spec"]["containers"][0]["name"])
                 for p in kube.list("v1", "Pod", NS)}
         raise AssertionError(f"{exc}\n{cluster.kubectl('get', 'pods', '-n', NS, '-o', 'wide').stdout}\n"
                              + "\n".join(f"--- {n}:\n{text[-3000:]}" for n, text in logs.items())) from None
+
+
+def test_operator_gateway_and_engine_run_from_the_image(deployed, image):
+    cluster, kube, url, pod = deployed
 
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "ignore_eos": True}
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -166,3 +182,49 @@ def test_operator_gateway_and_engine_run_from_the_image(image_cluster, image, re
           f"{float(loaded.group(2)):.1f} s, KV cache and warm-up {float(loaded.group(3)):.1f} s, server start and "
           f"readiness probe {ready - logged:.1f} s (timestamps in whole seconds: +-1 s each)")
 
+
+
+def test_lora_adapters_from_the_spec_and_one_added_without_a_restart(deployed, tiny_model_dir, tmp_path_factory):
+    """spec.loras through the gateway: the first adapters roll the pod (LoRA turns on, their folder is
+    mounted); an adapter added beside them is loaded on the running pod, which keeps serving."""
+    from kvpilot.engine.model_files import make_lora_adapter
+
+    cluster, kube, url, _ = deployed
+    root = tmp_path_factory.mktemp("image-adapters")
+    root.chmod(0o755)
+    for seed, name in enumerate(("sql", "chat", "support"), start=1):
+        folder = make_lora_adapter(root / name, tiny_model_dir, rank=8, seed=seed)
+        folder.chmod(0o755)
+        for path in folder.iterdir():
+            path.chmod(0o644)
+
+    def loras(*names: str) -> str:
+        return json.dumps({"spec": {"loras": [{"name": n, "uri": f"file://{root / n}"} for n in names]}})
+
+    def answer(model: str) -> str | None:
+        response = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": model, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        return response.json()["choices"][0]["text"] if response.status_code == 200 else None
+
+    cluster.kubectl("patch", "kvis", "tiny", "-n", NS, "--type", "merge", "-p", loras("sql", "chat"))
+    _wait(cluster, kube, lambda: answer("sql") is not None and answer("chat") is not None, 600,
+          "the adapters sql and chat to answer through the gateway")
+    pod = _engine_pod(kube)
+    restarts = pod["status"]["containerStatuses"][0]["restartCount"]
+    listed = {m["id"]: m.get("parent") for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]}
+    assert listed == {"tiny": None, "sql": "tiny", "chat": "tiny"}
+    texts = {model: answer(model) for model in ("tiny", "sql", "chat")}
+    assert len(set(texts.values())) == 3, texts  # each adapter changes the model's answer
+
+    cluster.kubectl("patch", "kvis", "tiny", "-n", NS, "--type", "merge", "-p", loras("sql", "chat", "support"))
+    _wait(cluster, kube, lambda: answer("support") is not None, 120, "the adapter added to the spec to answer")
+    now = _engine_pod(kube)
+    assert now["metadata"]["uid"] == pod["metadata"]["uid"]  # the same pod: no rollout
+    assert now["status"]["containerStatuses"][0]["restartCount"] == restarts
+    assert answer("sql") == texts["sql"]
+    _wait(cluster, kube, lambda: [e["loadedPods"] for e in
+                                  (kube.get_inference_service(NS, "tiny")["status"].get("loras") or [])] == [1, 1, 1],
+          60, "status.loras to show the three adapters loaded")
+    status = kube.get_inference_service(NS, "tiny")["status"]
+    adapters = next(c for c in status["conditions"] if c["type"] == "AdaptersReady")
+    assert adapters["status"] == "True", adapters

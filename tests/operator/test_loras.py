@@ -20,11 +20,13 @@ class Engines:
 
     def __init__(self) -> None:
         self.failures: dict[str, dict[str, str]] = {}
+        self.without_lora: set[str] = set()  # pods of the template before spec.loras: they answer nothing
         self.calls: list[tuple[dict[str, str], dict[str, str], str | None]] = []
 
     def sync_loras(self, engines, desired, token):
         self.calls.append((dict(engines), dict(desired), token))
-        return {pod: {name: self.failures.get(pod, {}).get(name) for name in desired} for pod in engines}
+        return {pod: {} if pod in self.without_lora else {name: self.failures.get(pod, {}).get(name) for name in desired}
+                for pod in engines}
 
 
 def _setup(spec: dict = SPEC) -> tuple[FakeKube, dict]:
@@ -72,6 +74,16 @@ def test_each_ready_pod_gets_the_adapters_and_a_failure_is_named_while_the_model
     fixed = reconcile.reconcile(kube, kube.get_inference_service(NAMESPACE, NAME), OperatorSettings(), engines)
     assert fixed.actions == [f"LoRA adapter sql loaded on pod {NAME}-1"]
     assert _condition(kube, "AdaptersReady")["status"] == "True"
+
+
+def test_a_pod_started_before_lora_was_on_is_left_out_while_it_is_replaced():
+    kube, body = _setup()
+    engines = Engines()
+    engines.without_lora = {f"{NAME}-0"}
+    outcome = reconcile.reconcile(kube, body, OperatorSettings(), engines)
+    loras = kube.get_inference_service(NAMESPACE, NAME)["status"]["loras"]
+    assert [[p["pod"] for p in entry["pods"]] for entry in loras] == [[f"{NAME}-1"], [f"{NAME}-1"]]
+    assert outcome.warnings == []
 
 
 def test_without_adapters_the_status_forgets_them():
