@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.kv_cache_manager import KVCacheManager

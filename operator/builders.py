@@ -338,7 +338,7 @@ def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any
 
 def engine_container(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings, mount: ModelMount,
                      draft: ModelMount | None, image: str, settings: OperatorSettings,
-                     lora_mounts: list[dict[str, Any]] = ()) -> dict[str, Any]:
+                     lora_mounts: list[dict[str, Any]]) -> dict[str, Any]:
     startup_period = 5
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,

@@ -116,7 +116,8 @@ def _sync_loras(kube: Kube, engines: EngineClient, body: dict[str, Any], spec: I
                 if error is None:
                     outcome.actions.append(f"LoRA adapter {source.name} loaded on pod {pod}")
                 else:
-                    outcome.warnings.append((status.LORA_FAILED, f"LoRA adapter {source.name} failed to load on pod {pod}: {error}"))
+                    outcome.warnings.append(
+                        (status.LORA_FAILED, f"LoRA adapter {source.name} failed to load on pod {pod}: {error}"))
         loras.append({"name": source.name, "loadedPods": sum(p["state"] == "Loaded" for p in pods_state),
                       "pods": pods_state})
     if _without_nones(loras) != previous:

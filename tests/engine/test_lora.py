@@ -50,8 +50,8 @@ def merge_adapter(model_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dirs, tmp_path_factory):
-    """arch -> {"a": (LoRARequest, merged model dir), "b": ...}: two full adapters and one of rank 4
-    on q and v only with rsLoRA scaling."""
+    """arch -> {"a": (LoRARequest, merged model dir), "b": ...}: two full adapters, one of rank 4 on q
+    and v only with rsLoRA scaling, one on the MLP only."""
     root = tmp_path_factory.mktemp("lora")
     out = {}
     for arch in ("llama", "qwen2"):
@@ -60,6 +60,7 @@ def adapters(tiny_model_dirs, tmp_path_factory):
             "a": {"rank": 8, "seed": 1},
             "b": {"rank": 16, "alpha": 8, "seed": 2},
             "qv": {"rank": 4, "target_modules": ("q_proj", "v_proj"), "use_rslora": True, "seed": 3},
+            "mlp": {"rank": 8, "target_modules": ("gate_proj", "up_proj", "down_proj"), "seed": 4},
         }
         out[arch] = {}
         for index, (name, kwargs) in enumerate(kinds.items(), start=1):
@@ -87,7 +88,7 @@ def references(tiny_model_dirs, adapters):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_adapters_alone_and_mixed_in_one_batch_match_their_merged_models(arch, tiny_model_dirs, adapters, references):
-    llm = LLM(str(tiny_model_dirs[arch]), dtype="float32", enable_lora=True, max_loras=3)
+    llm = LLM(str(tiny_model_dirs[arch]), dtype="float32", enable_lora=True, max_loras=4)
     for name, (request, _) in adapters[arch].items():
         assert greedy_tokens(llm, PROMPTS, request) == references[arch][name], name
     # Every prompt under every adapter and the base model, all admitted in the first step.
@@ -135,12 +136,12 @@ def test_adapters_made_with_peft_match_transformers_with_peft(arch, use_rslora, 
 
 
 def test_more_adapters_than_slots_with_preemption(tiny_model_dir, adapters, references):
-    """One slot for three adapters and a KV cache too small for the batch: sequences wait for their
+    """Two slots for four adapters and a KV cache too small for the batch: sequences wait for their
     adapter's slot, get preempted and recomputed, and still match their merged models."""
     block_bytes = 2 * 16 * 2 * 2 * 32 * 4  # K and V of 16 tokens, 2 layers, 2 KV heads of 32, float32
-    llm = LLM(str(tiny_model_dir), dtype="float32", enable_lora=True, max_loras=1, block_size=16,
+    llm = LLM(str(tiny_model_dir), dtype="float32", enable_lora=True, max_loras=2, block_size=16,
               max_model_len=128, kv_cache_memory=10 * block_bytes)
-    names = ["a", "b", None, "qv", "a"]
+    names = ["a", "b", None, "qv", "mlp", "a", "mlp"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
     loras = [None if n is None else adapters["llama"][n][0] for n in names]
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
@@ -148,7 +149,7 @@ def test_more_adapters_than_slots_with_preemption(tiny_model_dir, adapters, refe
     for i, name in enumerate(names):
         assert tokens[i][:12] == references["llama"][name][i % len(PROMPTS)], (i, name)
     engine = llm.llm_engine
-    assert engine.runner.lora.num_slot_loads >= 3
+    assert engine.runner.lora.num_slot_loads >= 4
     assert engine.scheduler.num_preemptions > 0
 
 
