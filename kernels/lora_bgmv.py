@@ -1,7 +1,7 @@
 """LoRA for a batch whose rows use different adapters: ``y[i] += (x[i] · A[s]ᵀ) · B[s]ᵀ`` with
-``s = row_slots[i]`` (rows with slot -1 untouched), in the style of Punica's BGMV: a shrink kernel
-(x · Aᵀ into a narrow intermediate) and an expand kernel (that · Bᵀ added to y), each program
-gathering its row's adapter by slot, so one launch pair serves any mix of adapters.
+``s = row_slots[i]`` (rows with slot -1 untouched), in the style of Punica's BGMV: one kernel
+launched twice, to shrink (x · Aᵀ into a narrow intermediate) and to expand (that · Bᵀ added to
+y), each program gathering its row's adapter by slot, so one launch pair serves any mix of adapters.
 
 Layouts (engine/lora/layer.py): lora_a [num_slots, width, in_features], lora_b [num_slots,
 out_features, width]; widths [num_slots] int32, the columns each slot's adapter uses (the rest of
@@ -16,54 +16,36 @@ import triton.language as tl
 
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr, a_ptr, out_ptr, row_slots_ptr, widths_ptr,
-    in_features, x_stride_row, a_stride_slot, a_stride_col, out_stride_row,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _bgmv_kernel(
+    v_ptr, m_ptr, out_ptr, row_slots_ptr, widths_ptr,
+    num_outputs, num_inputs, v_stride_row, m_stride_slot, m_stride_row, out_stride_row,
+    SHRINK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """out[row, n] (+)= sum_k M[slot, n, k] * v[row, k], slot = row_slots[row]. SHRINK: M is A, the
+    slot's width bounds n and out is written; else M is B, the width bounds k and out (y) is added to."""
     row = tl.program_id(0)
     slot = tl.load(row_slots_ptr + row)
     if slot < 0:
         return
     width = tl.load(widths_ptr + slot)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns of the intermediate
-    if tl.program_id(1) * BLOCK_N >= width:
+    n_limit = width if SHRINK else num_outputs
+    k_limit = num_inputs if SHRINK else width
+    if tl.program_id(1) * BLOCK_N >= n_limit:
         return
+    outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    a_rows = a_ptr + slot.to(tl.int64) * a_stride_slot + cols[:, None] * a_stride_col
-    for k0 in range(0, in_features, BLOCK_K):
+    m_rows = m_ptr + slot.to(tl.int64) * m_stride_slot + outs[:, None] * m_stride_row
+    for k0 in range(0, k_limit, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * x_stride_row + ks, mask=ks < in_features, other=0.0).to(tl.float32)
-        a = tl.load(a_rows + ks[None, :], mask=(cols[:, None] < width) & (ks[None, :] < in_features),
+        v = tl.load(v_ptr + row * v_stride_row + ks, mask=ks < k_limit, other=0.0).to(tl.float32)
+        m = tl.load(m_rows + ks[None, :], mask=(outs[:, None] < n_limit) & (ks[None, :] < k_limit),
                     other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(out_ptr + row * out_stride_row + cols, acc, mask=cols < width)
-
-
-@triton.jit
-def _expand_kernel(
-    t_ptr, b_ptr, y_ptr, row_slots_ptr, widths_ptr,
-    out_features, t_stride_row, b_stride_slot, b_stride_row, y_stride_row,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    row = tl.program_id(0)
-    slot = tl.load(row_slots_ptr + row)
-    if slot < 0:
-        return
-    width = tl.load(widths_ptr + slot)
-    outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    b_rows = b_ptr + slot.to(tl.int64) * b_stride_slot + outs[:, None] * b_stride_row
-    for k0 in range(0, width, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        t = tl.load(t_ptr + row * t_stride_row + ks, mask=ks < width, other=0.0)
-        b = tl.load(b_rows + ks[None, :], mask=(outs[:, None] < out_features) & (ks[None, :] < width),
-                    other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        acc += tl.sum(b * t[None, :], axis=1)
-    y_at = y_ptr + row * y_stride_row + outs
-    mask = outs < out_features
-    y = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_at, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+        acc += tl.sum(m * v[None, :], axis=1)
+    out_at = out_ptr + row * out_stride_row + outs
+    mask = outs < n_limit
+    if not SHRINK:
+        acc += tl.load(out_at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def lora_bgmv(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -76,16 +58,16 @@ def lora_bgmv(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: to
     max_width, out_features = lora_a.shape[1], y.shape[1]
     shrunk = torch.empty(num_rows, max_width, dtype=torch.float32, device=x.device)  # [num_rows, width]
     block_n = min(64, triton.next_power_of_2(max_width))
-    _shrink_kernel[(num_rows, triton.cdiv(max_width, block_n))](
+    _bgmv_kernel[(num_rows, triton.cdiv(max_width, block_n))](
         x, lora_a, shrunk, row_slots, widths,
-        in_features, x.stride(0), lora_a.stride(0), lora_a.stride(1), shrunk.stride(0),
-        BLOCK_N=block_n, BLOCK_K=min(128, triton.next_power_of_2(in_features)),
+        max_width, in_features, x.stride(0), lora_a.stride(0), lora_a.stride(1), shrunk.stride(0),
+        SHRINK=True, BLOCK_N=block_n, BLOCK_K=min(128, triton.next_power_of_2(in_features)),
     )
     block_n = min(128, triton.next_power_of_2(out_features))
-    _expand_kernel[(num_rows, triton.cdiv(out_features, block_n))](
+    _bgmv_kernel[(num_rows, triton.cdiv(out_features, block_n))](
         shrunk, lora_b, y, row_slots, widths,
-        out_features, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        BLOCK_N=block_n, BLOCK_K=min(64, triton.next_power_of_2(max_width)),
+        out_features, max_width, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        SHRINK=False, BLOCK_N=block_n, BLOCK_K=min(64, triton.next_power_of_2(max_width)),
     )
 
 
