@@ -286,7 +286,8 @@ class LLMEngine:
 
     def _lora_manager(self, what: str) -> LoRAManager:
         if self.runner.lora is None:
-            raise InvalidRequestError(f"{what}: LoRA adapters are off; start the engine with enable_lora=True (--enable-lora)")
+            raise InvalidRequestError(
+                f"{what}: LoRA adapters are off; start the engine with enable_lora=True (--enable-lora)")
         return self.runner.lora
 
     def get_num_unfinished_requests(self) -> int:

@@ -133,15 +133,18 @@ def _check_config(config: dict, where: str, max_rank: int) -> tuple[int, float]:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise LoRAError(f"{where}: r must be a positive integer, got {rank!r}")
     if rank > max_rank:
-        raise LoRAError(f"{where}: r={rank} is above max_lora_rank={max_rank}; start the engine with --max-lora-rank {rank} or more")
+        raise LoRAError(f"{where}: r={rank} is above max_lora_rank={max_rank}; start the engine with "
+                        f"--max-lora-rank {rank} or more")
     alpha = config.get("lora_alpha", rank)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise LoRAError(f"{where}: lora_alpha must be a number, got {alpha!r}")
     refused = {
         "use_dora": ("DoRA adapters are not supported", lambda v: v in (None, False)),
         "bias": ("trained biases are not supported (use bias='none')", lambda v: v in (None, "none")),
-        "modules_to_save": ("fully trained modules (such as a tied embedding or LM head) are not supported", lambda v: not v),
-        "fan_in_fan_out": ("fan_in_fan_out weights are for GPT-2-style models, not Llama-family ones", lambda v: v in (None, False)),
+        "modules_to_save": ("fully trained modules (such as a tied embedding or LM head) are not supported",
+                            lambda v: not v),
+        "fan_in_fan_out": ("fan_in_fan_out weights are for GPT-2-style models, not Llama-family ones",
+                           lambda v: v in (None, False)),
         "rank_pattern": ("per-module ranks are not supported", lambda v: not v),
         "alpha_pattern": ("per-module alphas are not supported", lambda v: not v),
     }
@@ -168,8 +171,8 @@ def _read_tensors(folder: Path, where: str) -> dict[str, torch.Tensor]:
 
     path = folder / WEIGHTS_FILE
     if not path.is_file():
-        bin_hint = " (it has adapter_model.bin: convert it to safetensors)" if (folder / "adapter_model.bin").exists() else ""
-        raise LoRAError(f"{where}: no {WEIGHTS_FILE}{bin_hint}")
+        hint = " (it has adapter_model.bin: convert it to safetensors)" if (folder / "adapter_model.bin").exists() else ""
+        raise LoRAError(f"{where}: no {WEIGHTS_FILE}{hint}")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:

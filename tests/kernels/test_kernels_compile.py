@@ -3,7 +3,7 @@
 The interpreter runs kernels as numpy code: it never applies Triton's typing rules, shared-memory
 limits, or the software pipelining that keeps decode attention at HBM speed. Triton compiles for a
 GPU target without a GPU (ptxas ships with it), so these tests compile every kernel (paged attention,
-the split-KV merge, the KV-cache store, the quantized matmul) exactly as its launcher launches it on
+the split-KV merge, the KV-cache store, the quantized matmul, LoRA's BGMV) exactly as its launcher launches it on
 Hopper (sm_90) and Ampere (sm_80): launch options, tile sizes and split counts are recorded from the
 launchers themselves. They check that each compiles and fits, and that attention's K/V tile loads are
 asynchronous copies (pipelined), not synchronous loads.
@@ -43,6 +43,11 @@ STORE_CASES = {
 QUANT_CASES = {
     "quant4-decode-sm90": ("bf16", 90, 4, 1, 4096, 4096, 32),  # Q4_1-style weights, one token
     "quant8-prefill-sm80": ("fp16", 80, 8, 512, 4096, 4096, 32),  # Q8_0-style weights, a prefill chunk
+}
+# (dtype, capability, rows, in_features, out_features, slots, width): LoRA's shrink and expand
+LORA_CASES = {
+    "lora-qkv-sm90": ("bf16", 90, 256, 4096, 6144, 4, 192),  # Llama-3-8B's qkv_proj, 4 adapters of rank 64
+    "lora-down-sm80": ("fp16", 80, 8, 14336, 4096, 2, 16),  # its down_proj, 2 adapters of rank 16
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _POINTER_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
@@ -113,7 +118,7 @@ def _compile_all() -> dict:
     the real shapes with their kernels swapped for recorders, with the launch configuration and split
     count their own choosers pick for a CUDA device.
     """
-    from kvpilot.kernels import kv_cache_store, paged_attention, quant_matmul, split_kv_decode
+    from kvpilot.kernels import kv_cache_store, lora_bgmv, paged_attention, quant_matmul, split_kv_decode
 
     results = {}
     cuda = torch.device("cuda", 0)  # only its type and index are read: no GPU is touched
@@ -159,6 +164,16 @@ def _compile_all() -> dict:
             bits=bits, group_size=group_size,
         )["_quant_matmul_kernel"]
         results[case] = _compile_launch(quant_matmul._quant_matmul_kernel, matmul, capability)
+    for case, (dtype, capability, rows, in_features, out_features, slots, width) in LORA_CASES.items():
+        shrink, expand = _launches(
+            [(lora_bgmv, "_bgmv_kernel")], lora_bgmv.lora_bgmv,
+            torch.empty(rows, in_features, dtype=DTYPES[dtype]), torch.empty(rows, out_features, dtype=DTYPES[dtype]),
+            torch.empty(slots, width, in_features, dtype=DTYPES[dtype]),
+            torch.empty(slots, out_features, width, dtype=DTYPES[dtype]),
+            torch.zeros(rows, dtype=torch.int32), torch.full((slots,), width, dtype=torch.int32),
+        )["_bgmv_kernel"]
+        results[f"{case}-shrink"] = _compile_launch(lora_bgmv._bgmv_kernel, shrink, capability)
+        results[f"{case}-expand"] = _compile_launch(lora_bgmv._bgmv_kernel, expand, capability)
     return results
 
 
@@ -184,8 +199,9 @@ def test_the_split_cases_split(compiled):
     assert splits["split-sm90"] > splits["split-sm80"] > 1
 
 
-@pytest.mark.parametrize("case", [*STORE_CASES, *QUANT_CASES, "split-sm90-merge", "split-sm80-merge"])
-def test_store_merge_and_quantized_matmul_kernels_compile_and_fit(compiled, case):
+@pytest.mark.parametrize("case", [*STORE_CASES, *QUANT_CASES, "split-sm90-merge", "split-sm80-merge",
+                                  *(f"{c}-{kind}" for c in LORA_CASES for kind in ("shrink", "expand"))])
+def test_store_merge_quantized_matmul_and_lora_kernels_compile_and_fit(compiled, case):
     assert compiled[case]["shared"] <= SHARED_LIMIT[compiled[case]["capability"]]
 
 
