@@ -31,6 +31,7 @@ from kvpilot.engine.request import Request
 from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler import SchedulerOutput
 from kvpilot.engine.spec_decode.rejection_sampler import rejection_sample
+from kvpilot.engine.structured_outputs import start_bitmask
 
 if TYPE_CHECKING:
     from kvpilot.engine.cuda_graphs import DecodeCudaGraphs
@@ -97,6 +98,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
         inputs = self.prepare_inputs(step)
+        # Constrained rows' token masks are computed while the forward runs (llguidance's threads).
+        grammar_mask = None if any(inputs.drafts) else start_bitmask(
+            [r.sampling_input.matcher for r in inputs.sampled_requests], self.model.arch.vocab_size)
         start = time.perf_counter()
         hidden = self.run_model(inputs)  # [num_tokens, hidden_size]
         requests = inputs.sampled_requests
@@ -107,7 +111,7 @@ class ModelRunner:
         self.forward_seconds += time.perf_counter() - start
         num_drafts = [len(d) for d in inputs.drafts]
         if not any(num_drafts):
-            out = self.sampler.sample(logits, [r.sampling_input for r in requests])
+            out = self.sampler.sample(logits, [r.sampling_input for r in requests], grammar_mask)
             return StepResult(requests, [[t] for t in out.token_ids], out.logprobs, num_drafts, inputs)
         return self._verify(logits, inputs, num_drafts)
 

@@ -11,6 +11,7 @@ Logprobs are the model's own distribution (log-softmax of the raw logits), as in
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +44,15 @@ class Sampler:
     def __init__(self, eos_token_ids: Sequence[int]) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, inputs: Sequence[SamplingInput]) -> SamplerOutput:
-        """logits: [num_requests, vocab_size] float32, one row per input, in order."""
+    def sample(self, logits: torch.Tensor, inputs: Sequence[SamplingInput], grammar_mask: Future | None = None
+               ) -> SamplerOutput:
+        """logits: [num_requests, vocab_size] float32, one row per input, in order. ``grammar_mask``:
+        the constrained rows' token bitmask, started before the forward (structured_outputs.start_bitmask)."""
         if logits.shape[0] != len(inputs):
             raise ValueError(f"got {logits.shape[0]} rows of logits for {len(inputs)} sampling inputs")
         processed = self._apply_min_tokens(logits, inputs)
         processed = _apply_penalties(processed, inputs)
-        processed = mask_disallowed(processed, [inp.matcher for inp in inputs])
+        processed = mask_disallowed(processed, [inp.matcher for inp in inputs], grammar_mask)
         token_ids = processed.argmax(dim=-1)  # [num_requests]; right for greedy rows
         random_rows = [i for i, inp in enumerate(inputs) if not inp.params.is_greedy]
         if random_rows:

@@ -21,12 +21,14 @@ import functools
 import json
 import re
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvpilot.engine.request import InvalidRequestError
+from kvpilot.kernels import cpu_fused_ops
 
 FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 JSON_WHITESPACE = r"[\n\t ]{0,8}"  # what may separate JSON tokens
@@ -181,24 +183,51 @@ def _executor():
     return llguidance.LLExecutor()
 
 
-def mask_disallowed(logits: torch.Tensor, matchers: Sequence[Any | None]) -> torch.Tensor:
-    """``logits`` ([rows, vocab]) with every token its row's matcher disallows at -inf; rows
-    without a matcher unchanged. Returns ``logits`` itself when no row has one."""
+def start_bitmask(matchers: Sequence[Any | None], vocab_size: int) -> Future | None:
+    """Start filling the token bitmask of the rows with a matcher on llguidance's own threads (they
+    hold no GIL), so it overlaps the step's forward; ``mask_disallowed`` waits for it. None when no
+    row has a matcher."""
     rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
     if not rows:
-        return logits
-    import llguidance.torch as lltorch
+        return None
+    return _mask_thread().submit(_fill_bitmask, [matchers[row] for row in rows], rows, vocab_size)
 
-    vocab = logits.shape[1]
-    bitmask = lltorch.allocate_token_bitmask(len(rows), vocab)  # [rows, ceil(vocab / 32)] int32
-    # All rows in one call into llguidance's own threads (no GIL): about 0.5 ms a row one by one.
-    lltorch.fill_next_token_bitmask_par(_executor(), [(matchers[row], slot) for slot, row in enumerate(rows)],
-                                        bitmask)
-    # Unpacked here with plain tensor ops: llguidance's own apply_token_bitmask_inplace compiles a
-    # kernel with torch.compile, which on a CPU needs a C++ compiler (the image has none).
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(len(rows), -1)  # [rows, words * 32]
-    allowed = allowed[:, :vocab].to(logits.device)
-    logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill(~allowed, -float("inf"))
-    return logits
+
+def mask_disallowed(logits: torch.Tensor, matchers: Sequence[Any | None], started: Future | None = None
+                    ) -> torch.Tensor:
+    """``logits`` ([rows, vocab]) with every token its row's matcher disallows at -inf; rows
+    without a matcher unchanged. Returns ``logits`` itself when no row has one. ``started``: the
+    same rows' bitmask from ``start_bitmask``, filled while the forward ran."""
+    if started is None:
+        rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
+        if not rows:
+            return logits
+        bitmask, rows = _fill_bitmask([matchers[row] for row in rows], rows, logits.shape[1])
+    else:
+        bitmask, rows = started.result()
+    masked = logits[rows]  # a copy: the sampler's logprobs read the model's own logits
+    if cpu_fused_ops.usable(masked):
+        cpu_fused_ops.apply_token_bitmask_(masked, bitmask)
+    else:
+        masked = cpu_fused_ops.apply_token_bitmask_reference(masked, bitmask.to(logits.device))
+    if len(rows) == logits.shape[0]:
+        return masked
+    return logits.index_copy(0, torch.tensor(rows, device=logits.device), masked)
+
+
+def _fill_bitmask(matchers: list[Any], rows: list[int], vocab_size: int) -> tuple[torch.Tensor, list[int]]:
+    """([len(rows), words] int32 where bit t of word w allows token 32 * w + t, rows)."""
+    words = (vocab_size + 31) // 32
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+    # All rows in one call into llguidance's own threads: about 0.5 ms a row one by one. Its
+    # low-level call, not llguidance.torch's wrapper: importing that module imports torch.compile's
+    # machinery (its apply kernel is compiled), 0.6-2.4 s that landed on the first constrained request.
+    _executor().unsafe_compute_mask_ptr([(matcher, slot) for slot, matcher in enumerate(matchers)],
+                                        bitmask.data_ptr(), words * 4, len(rows))
+    return bitmask, rows
+
+
+@functools.cache
+def _mask_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpilot-grammar-mask")
+

@@ -80,3 +80,27 @@ void kvpilot_rope(elem_t *x, int64_t row_stride, int64_t n, int64_t heads, int64
         }
     }
 }
+
+/*
+ * Structured outputs' token mask, in place: logits [n, vocab] (rows row_stride elements apart);
+ * bitmask [n, words] int32, bit t of word w set when token 32 w + t is allowed. A disallowed
+ * token's logit becomes -inf; words with every bit set (most of them while a string is free) are
+ * skipped whole.
+ */
+void kvpilot_apply_token_bitmask(elem_t *logits, int64_t row_stride, const int32_t *bitmask, int64_t n,
+                                 int64_t vocab, int64_t words) {
+    const elem_t minus_inf = from_f32(-INFINITY);
+#pragma omp parallel for if (n * vocab >= 4 * PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < n; ++r) {
+        elem_t *row = logits + r * row_stride;
+        const uint32_t *mask = (const uint32_t *)(bitmask + r * words);
+        for (int64_t w = 0; w < words; ++w) {
+            const uint32_t bits = mask[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            const int64_t first = w * 32, last = first + 32 < vocab ? first + 32 : vocab;
+            for (int64_t t = first; t < last; ++t) {
+                if (!((bits >> (t - first)) & 1u)) row[t] = minus_inf;
+            }
+        }
+    }
+}

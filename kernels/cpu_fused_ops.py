@@ -2,7 +2,9 @@
 
 - ``add_rms_norm``: the residual add before a norm and the RMSNorm itself, in one pass;
 - ``silu_mul``: SiLU of the gate half times the up half of a fused gate/up projection;
-- ``rope_``: rotary embeddings applied in place to the q and k heads of a fused qkv projection.
+- ``rope_``: rotary embeddings applied in place to the q and k heads of a fused qkv projection;
+- ``apply_token_bitmask_``: structured outputs' allowed-token bitmask applied to logits in place
+  (torch's masked_fill over the unpacked mask took ~1.5 ms for 16 rows of a 49k vocabulary).
 
 The references are the model's definition of these operations (transformers' numerics: RMSNorm
 in float32 rounded before the weight, RoPE in the model dtype) and run wherever the kernel does
@@ -53,6 +55,18 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
+def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] with every token whose bit is clear in bitmask [rows, ceil(vocab / 32)]
+    int32 (bit t of word w: token 32 w + t) at -inf; a new tensor."""
+    allowed = (bitmask.unsqueeze(-1) & _BIT_VALUES.to(bitmask.device)) != 0  # [rows, words, 32]
+    allowed = allowed.reshape(bitmask.shape[0], -1)[:, : logits.shape[1]]
+    return logits.masked_fill(~allowed, -float("inf"))
+
+
+# 1 << t for each bit of an int32 word (bit 31 is the sign bit: -2**31).
+_BIT_VALUES = torch.tensor([1 << t for t in range(32)], dtype=torch.int64).to(torch.int32)
+
+
 # ---------------------------------------------------------------------------------- kernels
 
 
@@ -73,7 +87,9 @@ def load_ops(dtype: torch.dtype) -> ctypes.CDLL | None:
     library.kvpilot_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     library.kvpilot_silu_mul.argtypes = [ptr, ptr, i64, i64]
     library.kvpilot_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
-    for function in (library.kvpilot_add_rms_norm, library.kvpilot_silu_mul, library.kvpilot_rope):
+    library.kvpilot_apply_token_bitmask.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    for function in (library.kvpilot_add_rms_norm, library.kvpilot_silu_mul, library.kvpilot_rope,
+                     library.kvpilot_apply_token_bitmask):
         function.restype = None
     return library
 
@@ -121,6 +137,22 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     _ops(x).kvpilot_rope(x.data_ptr(), x.stride(0), num_tokens, heads, head_dim, cos.data_ptr(),
                          signed_sin.data_ptr())
     return x
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Sets logits [rows, vocab] (rows may be strided) to -inf in place where bitmask [rows,
+    ceil(vocab / 32)] int32 has the token's bit clear."""
+    rows, vocab = logits.shape
+    words = (vocab + 31) // 32
+    if logits.stride(1) != 1:
+        raise ValueError("logits must be contiguous within a row")
+    if bitmask.shape != (rows, words) or bitmask.dtype != torch.int32 or not bitmask.is_contiguous() \
+            or bitmask.device.type != "cpu":
+        raise ValueError(f"bitmask must be a contiguous CPU int32 [{rows}, {words}], got {tuple(bitmask.shape)} "
+                         f"{bitmask.dtype}")
+    _ops(logits).kvpilot_apply_token_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), rows, vocab,
+                                             words)
+    return logits
 
 
 def _ops(x: torch.Tensor) -> ctypes.CDLL:

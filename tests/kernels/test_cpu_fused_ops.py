@@ -1,4 +1,5 @@
-"""The fused CPU ops (residual add + RMSNorm, SiLU-and-mul, RoPE) against their torch references."""
+"""The fused CPU ops (residual add + RMSNorm, SiLU-and-mul, RoPE, the token bitmask) against their torch
+references."""
 
 from __future__ import annotations
 
@@ -85,3 +86,21 @@ def test_without_a_compiler_the_model_falls_back_to_the_references(monkeypatch, 
         assert not cpu_fused_ops.usable(torch.randn(2, 4))
     finally:
         cpu_fused_ops.load_ops.cache_clear()
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 33])
+def test_the_token_bitmask_kernel_matches_the_reference_in_place(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # every token allowed
+    bitmask[2] = 0  # none
+    bitmask[3, ::2] = -1  # whole words allowed beside partial ones
+    wide = torch.randn(5, vocab + 7, generator=gen)
+    before = wide.clone()
+    logits = wide[:, 3 : 3 + vocab]  # rows strided
+    expected = cpu_fused_ops.apply_token_bitmask_reference(logits, bitmask)
+    assert cpu_fused_ops.apply_token_bitmask_(logits, bitmask) is logits
+    assert torch.equal(logits, expected)
+    assert torch.isinf(expected[2]).all() and torch.equal(expected[1], before[1, 3 : 3 + vocab])
+    assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 3 + vocab :], before[:, 3 + vocab :])
