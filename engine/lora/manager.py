@@ -61,11 +61,11 @@ class LoRAManager:
     # ------------------------------------------------------------------ the adapters known
 
     def add(self, request: LoRARequest) -> LoRAAdapter:
-        """Read and check the adapter (once per name); a name already known with the same id and
-        path returns the adapter loaded then."""
+        """Read and check the adapter (once per name); a name already known from the same folder
+        returns the adapter loaded then (two callers racing to load one adapter both succeed)."""
         known = self._adapters.get(request.lora_name)
         if known is not None:
-            if known.request != request:
+            if known.request.lora_path != request.lora_path:
                 raise LoRAError(
                     f"adapter {request.lora_name!r} is already loaded from {known.request.lora_path} "
                     f"(id {known.request.lora_int_id}); unload it before loading another under that name"

@@ -167,10 +167,14 @@ async def load_lora_adapter(body: p.LoadLoRAAdapterRequest, request: Request, st
     if body.lora_name == state.settings.served_model_name:
         raise ApiError(400, f"lora_name: `{body.lora_name}` is the served model's own name; pick another",
                        param="lora_name")
-    if body.lora_name in state.async_engine.loras:
-        raise ApiError(400, f"The LoRA adapter `{body.lora_name}` is already loaded; unload it first to load "
-                            "another under that name", param="lora_name")
-    adapter = await _lora_call(state.async_engine.load_lora(state.next_lora_request(body.lora_name, body.lora_path)))
+    loaded = state.async_engine.loras.get(body.lora_name)
+    if loaded is not None and loaded.request.lora_path != body.lora_path:
+        raise ApiError(400, f"The LoRA adapter `{body.lora_name}` is already loaded from {loaded.request.lora_path}; "
+                            "unload it first to load another under that name", param="lora_name")
+    # The same name from the same folder again answers as the first load did (the operator's syncs
+    # may race), where vLLM answers 400.
+    adapter = loaded or await _lora_call(
+        state.async_engine.load_lora(state.next_lora_request(body.lora_name, body.lora_path)))
     logger.info("admin: LoRA adapter %r loaded from %s (rank %d)", adapter.name, body.lora_path, adapter.rank)
     return Response(f"Success: LoRA adapter '{adapter.name}' added successfully.", media_type="text/plain")
 
