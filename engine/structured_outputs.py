@@ -187,10 +187,8 @@ def start_bitmask(matchers: Sequence[Any | None], vocab_size: int) -> Future | N
     """Start filling the token bitmask of the rows with a matcher on llguidance's own threads (they
     hold no GIL), so it overlaps the step's forward; ``mask_disallowed`` waits for it. None when no
     row has a matcher."""
-    rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
-    if not rows:
-        return None
-    return _mask_thread().submit(_fill_bitmask, [matchers[row] for row in rows], rows, vocab_size)
+    rows = _constrained_rows(matchers)
+    return None if not rows else _mask_thread().submit(_fill_bitmask, matchers, rows, vocab_size)
 
 
 def mask_disallowed(logits: torch.Tensor, matchers: Sequence[Any | None], started: Future | None = None
@@ -199,10 +197,10 @@ def mask_disallowed(logits: torch.Tensor, matchers: Sequence[Any | None], starte
     without a matcher unchanged. Returns ``logits`` itself when no row has one. ``started``: the
     same rows' bitmask from ``start_bitmask``, filled while the forward ran."""
     if started is None:
-        rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
+        rows = _constrained_rows(matchers)
         if not rows:
             return logits
-        bitmask, rows = _fill_bitmask([matchers[row] for row in rows], rows, logits.shape[1])
+        bitmask, rows = _fill_bitmask(matchers, rows, logits.shape[1])
     else:
         bitmask, rows = started.result()
     masked = logits[rows]  # a copy: the sampler's logprobs read the model's own logits
@@ -215,14 +213,19 @@ def mask_disallowed(logits: torch.Tensor, matchers: Sequence[Any | None], starte
     return logits.index_copy(0, torch.tensor(rows, device=logits.device), masked)
 
 
-def _fill_bitmask(matchers: list[Any], rows: list[int], vocab_size: int) -> tuple[torch.Tensor, list[int]]:
-    """([len(rows), words] int32 where bit t of word w allows token 32 * w + t, rows)."""
+def _constrained_rows(matchers: Sequence[Any | None]) -> list[int]:
+    return [i for i, matcher in enumerate(matchers) if matcher is not None]
+
+
+def _fill_bitmask(matchers: Sequence[Any | None], rows: list[int], vocab_size: int) -> tuple[torch.Tensor, list[int]]:
+    """([len(rows), words] int32 where bit t of word w allows token 32 * w + t for the matcher of row
+    rows[i] in row i, rows)."""
     words = (vocab_size + 31) // 32
     bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
     # All rows in one call into llguidance's own threads: about 0.5 ms a row one by one. Its
     # low-level call, not llguidance.torch's wrapper: importing that module imports torch.compile's
     # machinery (its apply kernel is compiled), 0.6-2.4 s that landed on the first constrained request.
-    _executor().unsafe_compute_mask_ptr([(matcher, slot) for slot, matcher in enumerate(matchers)],
+    _executor().unsafe_compute_mask_ptr([(matchers[row], slot) for slot, row in enumerate(rows)],
                                         bitmask.data_ptr(), words * 4, len(rows))
     return bitmask, rows
 

@@ -18,9 +18,10 @@ import torch
 
 from kvpilot.engine.lora.adapter import LoRAAdapter, LoRAError, LoRARequest, load_adapter
 from kvpilot.engine.lora.layer import LoRALinear
+from kvpilot.engine.models import CausalLM
+from kvpilot.engine.models.weight_targets import linear_slots
 
 if TYPE_CHECKING:
-    from kvpilot.engine.models import CausalLM
     from kvpilot.engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,6 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, model: CausalLM, *, max_loras: int, max_rank: int) -> None:
-        from kvpilot.engine.models.weight_targets import linear_slots
-
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = model.dtype

@@ -23,6 +23,11 @@ ADMIN_PATH_PREFIX = "/admin/"
 # vLLM's paths for loading adapters live (clients written for it call them), served as admin API.
 ADMIN_LORA_PATHS = (ADMIN_LOAD_LORA_PATH, ADMIN_UNLOAD_LORA_PATH)
 
+
+def is_admin_path(path: str) -> bool:
+    """The admin API's paths: answered only on the admin port, behind the admin token, never the API key."""
+    return path.startswith(ADMIN_PATH_PREFIX) or path in ADMIN_LORA_PATHS
+
 CallNext = Callable[[Request], Awaitable[Response]]
 
 
@@ -52,7 +57,7 @@ async def api_key_before_the_body(request: Request, call_next: CallNext) -> Resp
     # Checked before the body is read: a client without the key costs no JSON parsing and
     # learns nothing about what the API would accept.
     api_key = _state(request).settings.api_key
-    if api_key is not None and request.url.path.startswith("/v1/") and request.url.path not in ADMIN_LORA_PATHS:
+    if api_key is not None and request.url.path.startswith("/v1/") and not is_admin_path(request.url.path):
         try:
             check_token(request, api_key, "API key")
         except ApiError as exc:
@@ -64,8 +69,7 @@ async def admin_api_on_its_own_port(request: Request, call_next: CallNext) -> Re
     admin_port = _state(request).settings.admin_port
     server = request.scope.get("server")
     on_admin_port = admin_port is not None and server is not None and server[1] == admin_port
-    path = request.url.path
-    if (path.startswith(ADMIN_PATH_PREFIX) or path in ADMIN_LORA_PATHS) != on_admin_port:
+    if is_admin_path(request.url.path) != on_admin_port:
         if on_admin_port:
             refusal = ApiError(404, "Not found: this port serves only the admin API (/admin/v1/...).")
         else:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpilot.engine.lora import LoRARequest
 from kvpilot.engine.server.async_engine import AsyncLLMEngine
 from kvpilot.engine.server.engine_protocol import Engine
 from kvpilot.engine.server.errors import ApiError
@@ -21,8 +22,6 @@ from kvpilot.engine.server.serving import ChatSettings, ModelInfo, OpenAIServing
 
 if TYPE_CHECKING:
     import torch
-
-    from kvpilot.engine.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +68,6 @@ class ServerState:
         self._lora_ids = itertools.count(1 + max((a.request.lora_int_id for a in engine.list_loras()), default=0))
 
     def next_lora_request(self, name: str, path: str) -> LoRARequest:
-        from kvpilot.engine.lora import LoRARequest
-
         return LoRARequest(name, next(self._lora_ids), path)
 
     def check_available(self) -> None:
