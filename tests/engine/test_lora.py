@@ -23,6 +23,7 @@ from kvpilot.engine.lora.layer import LoRALinear, LoRAMapping
 from kvpilot.engine.model_files import make_lora_adapter
 from kvpilot.engine.quantization.linear import QuantizedLinear
 from kvpilot.engine.quantization.packed import PackedWeight
+from kvpilot.kernels import cpu_features
 from kvpilot.kernels.lora_bgmv import lora_bgmv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -302,3 +303,21 @@ def test_an_engine_without_lora_says_how_to_turn_it_on(tiny_model_dir, adapters)
     with pytest.raises(InvalidRequestError, match="enable_lora=True"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=adapters["llama"]["a"][0])
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_bfloat16_adapters_on_a_cpu_with_and_without_avx512(tiny_model_dir, adapters, cpu_without):
+    """The adapters' stacked matrices take oneDNN's packed layout where the base weights do (AVX-512
+    BW/VL/DQ) and stay plain elsewhere; both give the same greedy tokens."""
+    request = adapters["llama"]["a"][0]
+
+    def run():
+        llm = LLM(str(tiny_model_dir), dtype="bfloat16", enable_lora=True, max_loras=2)
+        layer = llm.llm_engine.runner.model.layers[0].qkv_proj
+        return greedy_tokens(llm, PROMPTS, [request, None, request]), layer._shrink.onednn_weight is not None
+
+    native, packed = run()
+    cpu_without("avx512f", "avx_ne_convert")
+    plain, packed_without = run()
+    assert not packed_without
+    assert plain == native
+    assert packed == cpu_features.parse(cpu_features.cpu_flags_line(), "").onednn_bf16_prepack
