@@ -110,6 +110,9 @@ POSITION_LABEL = "position"
 # Histograms (base names; the exposition adds _bucket, _sum and _count).
 TIME_TO_FIRST_TOKEN = "kvpilot_time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "kvpilot_inter_token_latency_seconds"
+# A finished request's mean inter-token latency (its TPOT: the gaps INTER_TOKEN_LATENCY observed for it,
+# over their count), one observation per request; on INTER_TOKEN_LATENCY_BUCKETS.
+TIME_PER_OUTPUT_TOKEN = "kvpilot_request_time_per_output_token_seconds"
 E2E_REQUEST_LATENCY = "kvpilot_e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME = "kvpilot_request_queue_time_seconds"
 # The wait of a preempted request until its next token: queueing again, not a token's cost, so it is

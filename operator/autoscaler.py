@@ -265,13 +265,14 @@ def replicas_for_held(held: int, slots_per_replica: int | None, policy: ScalingP
 
 def ttft_breach(observation: Observation, slo: Slo | None) -> str | None:
     """Why the TTFT asks for another replica, or None: over its SLO, mostly from queueing, while
-    the inter-token latency meets its SLO (when it does not, the tuner shrinks the batch first)."""
+    the per-token latency (ITL or TPOT) meets its SLO (when it does not, the tuner shrinks the batch first)."""
     if slo is None or slo.ttft_p99_seconds is None or observation.ttft_p99 is None:
         return None
     if observation.ttft_p99 <= slo.ttft_p99_seconds or not observation.ttft_from_queueing:
         return None
-    itl_slo = slo.itl_p99_seconds
-    if itl_slo is not None and (observation.itl_p99 is None or observation.itl_p99 > itl_slo):
+    kind, seconds = slo.token_latency or ("ITL", math.inf)
+    token_p99 = observation.token_latency_p99(kind)
+    if math.isfinite(seconds) and (token_p99 is None or token_p99 > seconds):
         return None
     return (f"TTFT P99 {observation.ttft_p99:.2f} s > SLO {slo.ttft_p99_seconds:g} s, "
-            f"{observation.ttft_queue_share:.0%} of it queueing, with ITL within its SLO: one more replica")
+            f"{observation.ttft_queue_share:.0%} of it queueing, with {kind} within its SLO: one more replica")

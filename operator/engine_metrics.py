@@ -46,6 +46,7 @@ COUNTERS = (
 HISTOGRAMS = (
     names.TIME_TO_FIRST_TOKEN,
     names.INTER_TOKEN_LATENCY,
+    names.TIME_PER_OUTPUT_TOKEN,
     names.E2E_REQUEST_LATENCY,
     names.REQUEST_QUEUE_TIME,
 )
@@ -301,6 +302,13 @@ class Observation:
     prefill_step_p99: float | None = None
     prefill_step_share: float | None = None  # of the steps, those carrying prefill tokens
     prefill_tokens_per_prefill_step: float | None = None
+    # Requests' time per output token (one sample per finished request; None from engines without it).
+    tpot_samples: float = 0.0
+    tpot_p99: float | None = None
+
+    def token_latency_p99(self, kind: str) -> float | None:
+        """The P99 of the SLO's per-token latency (``Slo.token_latency``'s kind): "TPOT" or "ITL"."""
+        return self.tpot_p99 if kind == "TPOT" else self.itl_p99
 
     @property
     def ttft_from_queueing(self) -> bool:
@@ -329,6 +337,7 @@ def observe(delta: WindowDelta) -> Observation:
     finished = counters.get(names.REQUEST_SUCCESS, 0.0)
     generated = counters.get(names.GENERATION_TOKENS, 0.0)
     itl = hists.get(names.INTER_TOKEN_LATENCY)
+    tpot = hists.get(names.TIME_PER_OUTPUT_TOKEN)
     ttft = hists.get(names.TIME_TO_FIRST_TOKEN)
     queue = hists.get(names.REQUEST_QUEUE_TIME)
     settings = delta.setting_gauges
@@ -372,6 +381,8 @@ def observe(delta: WindowDelta) -> Observation:
         prefill_step_share=prefill_steps.count / kind_steps if prefill_steps and kind_steps > 0 else None,
         prefill_tokens_per_prefill_step=cost.get("prefill", 0.0) / prefill_steps.count
         if prefill_steps and prefill_steps.count > 0 else None,
+        tpot_samples=tpot.count if tpot is not None else 0.0,
+        tpot_p99=quantile(names.TIME_PER_OUTPUT_TOKEN, 0.99),
     )
 
 

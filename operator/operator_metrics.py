@@ -52,7 +52,7 @@ GPU_MEMORY_UTILIZATION = Gauge(
 )
 SLO_SECONDS = Gauge(
     "kvpilot_operator_slo_seconds",
-    "The service's latency SLO (spec.tuning.slo): ttft_p99 or itl_p99.",
+    "The service's latency SLO (spec.tuning.slo): ttft_p99, itl_p99 or tpot_p99.",
     _SERVICE + ["slo"],
     registry=REGISTRY,
 )
@@ -86,7 +86,8 @@ def record_scale(namespace: str, service: str, decision: ScaleDecision) -> None:
 
 
 def record_slo(namespace: str, service: str, slo: Slo | None) -> None:
-    targets = {"ttft_p99": slo.ttft_p99_seconds, "itl_p99": slo.itl_p99_seconds} if slo else {}
+    targets = {"ttft_p99": slo.ttft_p99_seconds, "itl_p99": slo.itl_p99_seconds,
+               "tpot_p99": slo.tpot_p99_seconds} if slo else {}
     _remove_where(SLO_SECONDS, lambda labels: labels[:2] == (namespace, service) and not targets.get(labels[2]))
     for name, seconds in targets.items():
         if seconds is not None:

@@ -505,8 +505,26 @@ class Slo(SpecModel):
         default=None, gt=0, le=3600, description="Target 99th-percentile time to first token, in seconds."
     )
     itl_p99_seconds: float | None = Field(
-        default=None, gt=0, le=60, description="Target 99th-percentile inter-token latency, in seconds."
+        default=None, gt=0, le=60,
+        description="Target 99th-percentile inter-token latency (every gap between two tokens), in seconds.",
     )
+    tpot_p99_seconds: float | None = Field(
+        default=None, gt=0, le=60,
+        description=(
+            "Target 99th-percentile time per output token of a request (its mean inter-token latency, the TPOT "
+            "of goodput), in seconds. Steadier than itlP99Seconds: a prompt's chunk sharing a step lengthens one "
+            "gap of each running request, not its TPOT. Give this or itlP99Seconds, not both."
+        ),
+    )
+
+    @property
+    def token_latency(self) -> tuple[str, float] | None:
+        """The per-token latency SLO, ("ITL" | "TPOT", seconds), or None without one."""
+        if self.tpot_p99_seconds is not None:
+            return "TPOT", self.tpot_p99_seconds
+        if self.itl_p99_seconds is not None:
+            return "ITL", self.itl_p99_seconds
+        return None
 
 
 class Tuning(SpecModel):
@@ -539,9 +557,17 @@ class Tuning(SpecModel):
     )
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
-            cel="!self.enabled || has(self.slo.ttftP99Seconds) || has(self.slo.itlP99Seconds)",
-            message="tuning.slo needs ttftP99Seconds or itlP99Seconds when tuning is enabled",
-            check=lambda t: not t.enabled or t.slo.ttft_p99_seconds is not None or t.slo.itl_p99_seconds is not None,
+            cel="!self.enabled || has(self.slo.ttftP99Seconds) || has(self.slo.itlP99Seconds) || "
+                "has(self.slo.tpotP99Seconds)",
+            message="tuning.slo needs ttftP99Seconds, itlP99Seconds or tpotP99Seconds when tuning is enabled",
+            check=lambda t: not t.enabled or t.slo.ttft_p99_seconds is not None or t.slo.token_latency is not None,
+            field_path=".slo",
+        ),
+        Rule(
+            cel="!has(self.slo.itlP99Seconds) || !has(self.slo.tpotP99Seconds)",
+            message="tuning.slo takes itlP99Seconds or tpotP99Seconds, not both: keep the one your users feel "
+                    "(tpotP99Seconds for goodput as benchmarks count it)",
+            check=lambda t: t.slo.itl_p99_seconds is None or t.slo.tpot_p99_seconds is None,
             field_path=".slo",
         ),
     )
@@ -732,6 +758,7 @@ class MetricsStatus(StatusModel):
     requests_per_second: float | None = Field(default=None, description="Finished requests per second, all pods.")
     ttft_p99_seconds: float | None = Field(default=None, description="99th-percentile time to first token.")
     itl_p99_seconds: float | None = Field(default=None, description="99th-percentile inter-token latency.")
+    tpot_p99_seconds: float | None = Field(default=None, description="99th-percentile time per output token of a request.")
     e2e_p99_seconds: float | None = Field(default=None, description="99th-percentile request latency.")
     kv_cache_usage: float | None = Field(default=None, description="Mean fraction of KV-cache blocks in use.")
     requests_running: float | None = Field(default=None, description="Requests running, summed over pods.")

@@ -335,6 +335,7 @@ def metrics_status(scraped: ServiceMetrics, now: float) -> dict[str, Any]:
             requestsPerSecond=round(obs.requests_per_second, 3),
             ttftP99Seconds=_rounded(obs.ttft_p99),
             itlP99Seconds=_rounded(obs.itl_p99),
+            tpotP99Seconds=_rounded(obs.tpot_p99),
             e2eP99Seconds=_rounded(obs.e2e_p99),
             kvCacheUsage=round(obs.kv_cache_usage, 3),
             requestsRunning=round(obs.running, 2),

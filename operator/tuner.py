@@ -14,7 +14,9 @@ A pure function, in four named steps, each testable on synthetic streams:
    join only as sequences finish (``Prediction.chunk_at``). The request-level ITL P99 only checks and
    corrects the prediction: their ratio, averaged over recent windows, scales it (Dynamo's planner
    corrects its predictions the same way), and the margin below the SLO grows with how much that
-   ratio moves from window to window (a noisy node gets a wider margin, not a hunt).
+   ratio moves from window to window (a noisy node gets a wider margin, not a hunt). Under a TPOT
+   SLO (a request's mean gap) the prediction is the mean step, prefill tokens spread over all steps,
+   times the requests' tail, and the chunks set no tail of their own.
 3. **Guardrails** (in ``tune``): no verdict without enough samples; no growth without a queue (more
    sequences would not raise throughput) or past what the KV cache holds at the observed lengths;
    a move that reverses the last one waits for a second window at the setting; when no setting
@@ -59,6 +61,7 @@ class TunerConfig:
     max_margin: float = 0.25  # the most, however noisy the windows
     spread_margin: float = 2.0  # margin = this × the windows' relative spread of observed/predicted
     min_itl_samples: int = 300  # fewer inter-token gaps than this: the P99 is noise
+    min_tpot_samples: int = 10  # fewer finished requests than this: their TPOT P99 is not judged
     min_steps: int = 30  # fewer engine steps than this in a window: its step cost is noise (a 2-core CPU runs 30-100 in 20 s)
     max_growth: float = 4.0  # at most ×4 per interval upwards, once the step cost's slope is measured
     explore_growth: float = 2.0  # before that, at most ×2 (less where the squared headroom is less)
@@ -88,18 +91,18 @@ class Sample:
     max_num_seqs: int
     max_num_batched_tokens: int | None
     batch: float
-    itl_p99: float
+    latency_p99: float  # the SLO's per-token latency, P99: ITL, or TPOT when the SLO is on TPOT
     tokens_per_second: float
     saturated: bool
     preempting: bool
     ttft_p99: float | None = None
     cost_sums: dict[str, float] | None = None  # the window's step-cost sums (None: not exported)
-    decode_tail: float = 1.0  # decode steps' P99 / mean
+    decode_tail: float = 1.0  # decode steps' P99 / their mean; for a TPOT SLO, the TPOT P99 / all steps' mean
     prefill_share: float = 0.0  # steps carrying prefill / all steps
     prefill_chunk: float = 0.0  # mean prefill tokens of such a step
     prefill_p99: float | None = None  # seconds, of such steps
-    violated: bool = False  # clearly over the ITL SLO, or over it in two of the latest windows at the setting
-    correction: float | None = None  # observed ITL P99 / predicted, at this window's batch
+    violated: bool = False  # clearly over the SLO, or over it in two of the latest windows at the setting
+    correction: float | None = None  # observed latency P99 / predicted, at this window's batch
     level: float | None = None  # the window's step seconds / the fit's: how fast the machine ran then
 
 
@@ -171,7 +174,11 @@ class Decision:
 
 @dataclass(frozen=True)
 class Prediction:
-    """ITL P99 at a setting, from the step cost, the steps' tails and the correction."""
+    """The per-token latency P99 at a setting, from the step cost, the steps' tails and the correction.
+
+    An ITL P99 is one gap: the decode steps' tail, or steps carrying prefill chunks when they are
+    enough of the steps. A TPOT P99 (``per_request``) is a request's mean gap: the mean step, prefill
+    tokens spread over all steps (the chunk size does not change their sum), times the requests' tail."""
 
     cost: step_cost.StepCost
     level: float  # the machine's recent speed against the cost's line (1: as fitted)
@@ -184,6 +191,7 @@ class Prediction:
     config: TunerConfig
     batch: float = 0.0  # the window's
     admissions_follow_batch: bool = False  # saturated: a sequence joins as one finishes
+    per_request: bool = False  # the SLO is on TPOT, a request's mean inter-token latency
 
     def chunk_at(self, seqs: float) -> float:
         """Prefill tokens of a step carrying prefill, at ``seqs`` running.
@@ -208,10 +216,18 @@ class Prediction:
         return room if self.chunks_fill_budget else min(chunk, room)
 
     def decode_p99(self, seqs: float) -> float:
-        return self.cost.seconds(seqs) * self.level * self.decode_tail * self.correction
+        prefill = self.mean_prefill(seqs) if self.per_request else 0.0
+        return self.cost.seconds(seqs, prefill) * self.level * self.decode_tail * self.correction
+
+    def mean_prefill(self, seqs: float) -> float:
+        """Prefill tokens per step, over all steps, at ``seqs`` running: the window's, in proportion
+        to the batch while prompts join as sequences finish."""
+        mean = self.prefill_share * self.prefill_chunk
+        return mean * seqs / self.batch if self.admissions_follow_batch and self.batch >= 1 else mean
 
     def prefill_p99(self, seqs: float, tokens: int | None) -> float:
-        """The ITL P99 as far as steps carrying prefill set it: 0 when they are too few to."""
+        """The ITL P99 as far as steps carrying prefill set it: 0 when they are too few to (or for a
+        TPOT, whose mean step holds them)."""
         factor = self._prefill_factor()
         return self.cost.seconds(seqs, self.chunk(seqs, tokens)) * self.level * factor if factor else 0.0
 
@@ -225,18 +241,19 @@ class Prediction:
 
     def _prefill_factor(self) -> float:
         """Tail × correction of the steps carrying prefill; 0 when they are too few to set the P99."""
-        if self.prefill_share < self.config.prefill_tail_share:
+        if self.per_request or self.prefill_share < self.config.prefill_tail_share:
             return 0.0
         # The ITL P99 lies at this quantile of the prefill steps (a share s of all steps holds the
         # top 1% from 1 - 0.01/s up): between their mean (q 0.5) and their P99, linearly.
         q = 1.0 - 0.01 / self.prefill_share
         return (1.0 + (self.prefill_tail - 1.0) * min(max((q - 0.5) / 0.49, 0.0), 1.0)) * self.correction
 
-    def itl_p99(self, seqs: float, tokens: int | None) -> float:
+    def latency_p99(self, seqs: float, tokens: int | None) -> float:
         return max(self.decode_p99(seqs), self.prefill_p99(seqs, tokens))
 
     def describe(self) -> str:
-        text = (f"{self.cost.describe()}, machine at ×{self.level:.2f}, decode tail ×{self.decode_tail:.2f}, "
+        tail = "requests' tail" if self.per_request else "decode tail"
+        text = (f"{self.cost.describe()}, machine at ×{self.level:.2f}, {tail} ×{self.decode_tail:.2f}, "
                 f"correction ×{self.correction:.2f}")
         if self.prefill_share >= self.config.prefill_tail_share:
             text += f", {self.prefill_share:.0%} of steps carry ~{self.prefill_chunk:.0f} prefill tokens"
@@ -280,22 +297,22 @@ def tune(
                                f"{seq_bounds.max}): moving into them")
 
     # 1. Evidence.
-    evidence = _evidence(observation, settings, now, config)
+    kind, slo_latency = slo.token_latency or ("ITL", math.inf)
+    evidence = _evidence(observation, settings, kind, now, config)
     if isinstance(evidence, str):
         return decide(settings, evidence)
     assert observation is not None
     # 2. Prediction, checked and corrected by this window's request-level P99.
-    slo_itl = slo.itl_p99_seconds if slo.itl_p99_seconds is not None else math.inf
     slo_ttft = slo.ttft_p99_seconds if slo.ttft_p99_seconds is not None else math.inf
-    prediction, sample = _predict(history.samples, evidence, slo_itl, config)
+    prediction, sample = _predict(history.samples, evidence, slo_latency, kind == "TPOT", config)
     history = replace(history, samples=(history.samples + (sample,))[-config.history_length:])
     margin = _margin(history.samples, config)
-    target = slo_itl * (1 - margin)
+    target = slo_latency * (1 - margin)
     tokens = sample.max_num_batched_tokens
     waiting_per_pod = observation.waiting / max(observation.pods, 1)
     ttft, queueing = sample.ttft_p99, observation.ttft_from_queueing
-    where = f"ITL P99 {sample.itl_p99 * 1e3:.0f} ms at batch {sample.batch:.1f}"
-    slo_text = f"SLO {slo_itl * 1e3:.0f} ms" if math.isfinite(slo_itl) else "no ITL SLO"
+    where = f"{kind} P99 {sample.latency_p99 * 1e3:.0f} ms at batch {sample.batch:.1f}"
+    slo_text = f"SLO {slo_latency * 1e3:.0f} ms" if math.isfinite(slo_latency) else "no ITL or TPOT SLO"
     why = f" ({prediction.describe()}; margin {margin:.0%})"
 
     # 3. Guardrails. Memory first: preemptions with a queue, window after window, mean the KV cache
@@ -308,8 +325,8 @@ def tune(
                 f"preempting {observation.preemptions_per_second:.2f}/s with {waiting_per_pod:.1f} waiting per pod: "
                 f"the KV cache is the limit; gpu_memory_utilization {mem:g} → {raised:g}", history,
             )
-    best = _largest(lambda s: prediction.itl_p99(s, tokens) <= target, seq_bounds.min, seq_bounds.max)
-    if best is not None and best < m and prediction.itl_p99(m, tokens) <= slo_itl:
+    best = _largest(lambda s: prediction.latency_p99(s, tokens) <= target, seq_bounds.min, seq_bounds.max)
+    if best is not None and best < m and prediction.latency_p99(m, tokens) <= slo_latency:
         # Between the target and the SLO: where growth stops, but no reason to come down.
         best = m
     decode_best = _largest(lambda s: prediction.decode_p99(s) <= target, seq_bounds.min, seq_bounds.max)
@@ -319,15 +336,15 @@ def tune(
     # smaller setting can meet it.
     probe, refuted = None, False
     prior_down = not prediction.cost.slope_measured and best is not None and best < m
-    if sample.itl_p99 > slo_itl and (decode_best is None or prior_down):
-        probe = _probe_below(history.samples, m, slo_itl, target, seq_bounds.min, config)
+    if sample.latency_p99 > slo_latency and (decode_best is None or prior_down):
+        probe = _probe_below(history.samples, m, slo_latency, target, seq_bounds.min, config)
         if probe is None:
             refuted = prior_down
         elif decode_best is None:
             best = decode_best = probe[0]
         else:
             best, probe = max(best, probe[0]), None  # a prior's move, no further than the windows' curve
-    if best is None and sample.itl_p99 <= slo_itl:
+    if best is None and sample.latency_p99 <= slo_latency:
         best = m  # the window meets the SLO: the prediction errs at this batch, not the setting
     if (best is None or best < m) and decode_best is not None and decode_best >= m and \
             tuning.max_num_batched_tokens is not None:
@@ -350,13 +367,13 @@ def tune(
         # budget moves prompts faster where the ITL allows it; otherwise a smaller batch does.
         if ttft > slo_ttft and tuning.max_num_batched_tokens is not None and tokens is not None:
             larger = tuning.max_num_batched_tokens.clamp(tokens * config.tokens_step)
-            if larger > tokens and prediction.itl_p99(m, larger) <= target:
+            if larger > tokens and prediction.latency_p99(m, larger) <= target:
                 return _budget_move(prediction, settings, tuning, history, target,
                                     f"TTFT P99 {ttft:.2f} s > TTFT SLO {slo_ttft:g} s from prefill, with ITL "
                                     f"headroom{why}", decide, grow=True)
         best = min(best, m) if ttft <= slo_ttft else min(best, math.floor(m * slo_ttft * (1 - margin) / ttft), m - 1)
         best = max(best, seq_bounds.min)
-    if best > m and ttft is not None and queueing and not math.isfinite(slo_itl):
+    if best > m and ttft is not None and queueing and not math.isfinite(slo_latency):
         return decide(settings, f"TTFT P99 {ttft:.2f} s is mostly queueing, which more replicas cure; with no ITL "
                                 "SLO to bound the trade, not growing the batch: holding", history)
 
@@ -365,8 +382,8 @@ def tune(
     # then aims where this window's conditions would meet the target. Going up never returns to a
     # setting recently confirmed over the SLO.
     band = _noise_band(history.samples, config)
-    itl_over = sample.itl_p99 > slo_itl
-    violated = itl_over and (sample.itl_p99 > slo_itl * (1 + band) or _over_twice(history.samples, m, slo_itl))
+    itl_over = sample.latency_p99 > slo_latency
+    violated = itl_over and (sample.latency_p99 > slo_latency * (1 + band) or _over_twice(history.samples, m, slo_latency))
     history = replace(history, samples=history.samples[:-1] + (replace(sample, violated=violated),))
     if best < m and not ttft_driven:
         if not itl_over:
@@ -376,7 +393,7 @@ def tune(
                                     f"over one more window{why}", history)
         elif probe is None:
             now_level = replace(prediction, level=sample.level or prediction.level)
-            best = min(best, _largest(lambda s: now_level.itl_p99(s, tokens) <= target, seq_bounds.min, m - 1)
+            best = min(best, _largest(lambda s: now_level.latency_p99(s, tokens) <= target, seq_bounds.min, m - 1)
                        or seq_bounds.min)
     if best > m:
         bad = min((s.max_num_seqs for s in history.samples[-config.bracket_windows:]
@@ -388,7 +405,7 @@ def tune(
                                         f"{why}", history)
 
     # 4. Move.
-    new, limit = _move(m, best, sample, observation, seq_bounds, slo_itl, config, prediction.cost.slope_measured)
+    new, limit = _move(m, best, sample, observation, seq_bounds, slo_latency, config, prediction.cost.slope_measured)
     if new == m:
         return decide(settings, f"{where} vs {slo_text}: {limit}: holding{why}", history)
     last = history.last_change(MAX_NUM_SEQS)
@@ -408,9 +425,10 @@ def tune(
     return decide(_with_seqs(settings, new), f"{where} {verb} {slo_text}: max_num_seqs {m} → {new}{why}", history)
 
 
-def _evidence(observation: Observation | None, settings: EngineSettings, now: float,
+def _evidence(observation: Observation | None, settings: EngineSettings, kind: str, now: float,
               config: TunerConfig) -> Sample | str:
-    """The window as a Sample, or why it cannot be judged."""
+    """The window as a Sample, or why it cannot be judged. ``kind``: the SLO's per-token latency,
+    "ITL" or "TPOT"."""
     if observation is None or observation.itl_p99 is None or observation.mean_running_per_pod is None:
         return "no metrics from any pod in this window: holding"
     if observation.itl_samples < config.min_itl_samples or observation.mean_running_per_pod < 1:
@@ -420,16 +438,25 @@ def _evidence(observation: Observation | None, settings: EngineSettings, now: fl
     if sums is not None and sums.get("steps", 0.0) < config.min_steps:
         return (f"too few engine steps to learn from ({sums.get('steps', 0.0):.0f} in "
                 f"{observation.window_seconds:.0f} s, need {config.min_steps}): holding")
+    latency = observation.token_latency_p99(kind)
+    if kind == "TPOT":
+        if latency is None or observation.tpot_samples < config.min_tpot_samples:
+            return (f"too few finished requests to judge their TPOT ({observation.tpot_samples:.0f} in "
+                    f"{observation.window_seconds:.0f} s, need {config.min_tpot_samples}): holding")
+        # Requests' TPOT P99 over the mean step: how far the slowest requests' share of steps strays.
+        mean_step = sums["seconds"] / sums["steps"] if sums else None
+        decode_tail = latency / mean_step if mean_step else 1.0
+    else:
+        decode_tail = (observation.decode_step_p99 / observation.decode_step_mean
+                       if observation.decode_step_p99 and observation.decode_step_mean else 1.0)
     m = observation.max_num_seqs or settings.max_num_seqs
     batch = observation.mean_running_per_pod
-    decode_tail = (observation.decode_step_p99 / observation.decode_step_mean
-                   if observation.decode_step_p99 and observation.decode_step_mean else 1.0)
     return Sample(
         time=now,
         max_num_seqs=m,
         max_num_batched_tokens=settings.max_num_batched_tokens or observation.max_num_batched_tokens,
         batch=batch,
-        itl_p99=observation.itl_p99,
+        latency_p99=latency,
         tokens_per_second=observation.output_tokens_per_second,
         saturated=batch >= config.saturation_fill * m and observation.waiting / max(observation.pods, 1) > 0,
         preempting=observation.preemptions_per_second > 0,
@@ -442,11 +469,11 @@ def _evidence(observation: Observation | None, settings: EngineSettings, now: fl
     )
 
 
-def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, config: TunerConfig
+def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, per_request: bool, config: TunerConfig
              ) -> tuple[Prediction, Sample]:
     """The prediction from the recent windows' step cost and this window's tails, at the machine's
-    recent speed, corrected by the recent windows' observed / predicted ITL P99; and the sample with
-    its speed (level) and its own ratio recorded."""
+    recent speed, corrected by the recent windows' observed / predicted latency P99; and the sample
+    with its speed (level) and its own ratio recorded. ``per_request``: the SLO is on TPOT."""
     recent = (previous + (sample,))[-config.fit_window:]
     # Windows far over the SLO (deep in overload, where steps grow faster than the line) say little
     # about the slope near it.
@@ -477,8 +504,9 @@ def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, config: T
         config=config,
         batch=sample.batch,
         admissions_follow_batch=sample.saturated,
+        per_request=per_request,
     )
-    sample = replace(sample, correction=sample.itl_p99 / max(own.itl_p99(sample.batch, budget), 1e-9),
+    sample = replace(sample, correction=sample.latency_p99 / max(own.latency_p99(sample.batch, budget), 1e-9),
                      level=own_level)
     # The ratio where it was read: windows at this setting (a window at another batch, or one in which
     # the batch was filling up, says little about the prediction's error here).
@@ -493,13 +521,13 @@ def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, config: T
 
 def _fit_points(recent: tuple[Sample, ...], slo: float, config: TunerConfig) -> list[Sample]:
     """The windows the step cost is fitted on: those near the SLO, or the latest alone."""
-    near = [s for s in recent if s.itl_p99 <= config.fit_max_ratio * slo]
+    near = [s for s in recent if s.latency_p99 <= config.fit_max_ratio * slo]
     return near or [recent[-1]]
 
 
 def _point(sample: Sample) -> dict[str, float]:
     """A window's request-level ITL P99 at its batch, as the sums of one step."""
-    r, t = sample.batch, sample.itl_p99
+    r, t = sample.batch, sample.latency_p99
     return {"steps": 1.0, "rows": r, "prefill": 0.0, "seconds": t, "rows_rows": r * r, "rows_prefill": 0.0,
             "prefill_prefill": 0.0, "rows_seconds": r * t, "prefill_seconds": 0.0, "seconds_seconds": t * t}
 
@@ -526,7 +554,7 @@ def _noise_band(samples: tuple[Sample, ...], config: TunerConfig) -> float:
 
 def _over_twice(samples: tuple[Sample, ...], seqs: int, slo: float) -> bool:
     """Two of the latest four windows at ``seqs`` (in a row at it) were over the SLO."""
-    return sum(1 for s in _tail_at_setting(samples, seqs)[:4] if s.itl_p99 > slo) >= 2
+    return sum(1 for s in _tail_at_setting(samples, seqs)[:4] if s.latency_p99 > slo) >= 2
 
 
 def _log_variance(values: list[float | None]) -> float:
@@ -551,7 +579,7 @@ def _probe_below(samples: tuple[Sample, ...], m: int, slo: float, target: float,
     by_setting: dict[int, list[Sample]] = {}
     for s in samples[-config.bracket_windows:]:
         by_setting.setdefault(s.max_num_seqs, []).append(s)
-    points = sorted((sum(s.batch for s in group) / len(group), statistics.median_high(s.itl_p99 for s in group), setting)
+    points = sorted((sum(s.batch for s in group) / len(group), statistics.median_high(s.latency_p99 for s in group), setting)
                     for setting, group in by_setting.items())
     (b1, y1, lowest), rest = points[0], points[1:]
     floor = max(math.floor(m * config.max_backoff), low)
@@ -586,7 +614,7 @@ def _move(m: int, best: int, sample: Sample, observation: Observation, bounds, s
         return m, "the prediction puts the best setting here"
     if m >= bounds.max:
         return m, f"max_num_seqs is at its upper bound {m}"
-    if sample.itl_p99 > slo:
+    if sample.latency_p99 > slo:
         return m, "the window is over the SLO: no growth on a prediction alone"
     if not sample.saturated:
         return m, (f"not saturated (batch {sample.batch:.1f} of {m}, {observation.waiting:.1f} waiting): "

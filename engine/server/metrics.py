@@ -35,6 +35,8 @@ class _Progress:
     finish_reasons: dict[int, str] = field(default_factory=dict)  # per sequence index, once it ended
     last_token_time: float | None = None
     num_preemptions: int = 0
+    decode_seconds: float = 0.0  # the inter-token gaps observed for it, summed (its TPOT's numerator)
+    decode_tokens: int = 0  # and their count
 
 
 class EngineStatsCollector(Collector):
@@ -220,6 +222,11 @@ class ServerMetrics:
             "Seconds between consecutive tokens of a request (per token).",
             names.INTER_TOKEN_LATENCY_BUCKETS,
         )
+        self.time_per_output_token = histogram(
+            names.TIME_PER_OUTPUT_TOKEN,
+            "A finished request's seconds per output token after the first (its mean inter-token latency).",
+            names.INTER_TOKEN_LATENCY_BUCKETS,
+        )
         self.e2e_request_latency = histogram(
             names.E2E_REQUEST_LATENCY,
             "Seconds from arrival to the last token of a finished request.",
@@ -279,6 +286,8 @@ class ServerMetrics:
                     per_token = (now - progress.last_token_time) / new_tokens
                     for _ in range(new_tokens):
                         self.inter_token_latency.observe(per_token)
+                    progress.decode_seconds += now - progress.last_token_time
+                    progress.decode_tokens += new_tokens
                 progress.last_token_time = now
                 progress.num_preemptions = output.metrics.num_preemptions
             if output.finished:
@@ -286,6 +295,8 @@ class ServerMetrics:
                 metrics = output.metrics
                 finished = metrics.finished_time if metrics.finished_time is not None else now
                 self.e2e_request_latency.observe(max(finished - metrics.arrival_time, 0.0))
+                if progress.decode_tokens > 0:
+                    self.time_per_output_token.observe(progress.decode_seconds / progress.decode_tokens)
                 # Counted when the whole request ends: one aborted later counts all its sequences as aborted.
                 for reason in progress.finish_reasons.values():
                     self.request_success.labels(self.model_name, reason).inc()

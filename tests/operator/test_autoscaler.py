@@ -200,6 +200,17 @@ def test_ttft_over_the_slo_does_not_scale_out_when_itl_breaks_too_or_prefill_mak
     assert autoscale(long_prompts, ReplicaState(1, 1), WITH_SLO, history, 0.0, saturated).replicas == 1
 
 
+def test_with_a_tpot_slo_the_requests_tpot_decides_whether_the_steps_are_to_blame():
+    by_tpot = replace(WITH_SLO, slo=Slo(ttft_p99_seconds=2.0, tpot_p99_seconds=0.1))
+    history = ScalingHistory(capacity_per_replica=CAPACITY)
+    # Gaps spiking over 0.1 s (prefill chunks) while requests' TPOT meets it: queueing is capacity's.
+    spiky, saturated = queueing(300.0, 1, itl_p99=0.15, tpot_samples=40.0, tpot_p99=0.08)
+    decision = autoscale(spiky, ReplicaState(1, 1), by_tpot, history, 0.0, saturated)
+    assert decision.replicas == 2 and "with TPOT within its SLO" in decision.reason, decision.reason
+    slow, saturated = queueing(300.0, 1, itl_p99=0.08, tpot_samples=40.0, tpot_p99=0.15)  # the tuner's to fix
+    assert autoscale(slow, ReplicaState(1, 1), by_tpot, history, 0.0, saturated).replicas == 1
+
+
 def test_a_ttft_breaking_the_slo_from_queueing_asks_for_more_replicas_not_fewer():
     obs, saturated = queueing(100.0, 3)
     history = ScalingHistory(capacity_per_replica=CAPACITY, observed_since=-1000.0)

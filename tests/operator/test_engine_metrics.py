@@ -46,6 +46,9 @@ class EngineMetrics:
         self.itl = Histogram(
             names.INTER_TOKEN_LATENCY, "", label, buckets=names.INTER_TOKEN_LATENCY_BUCKETS, registry=r
         ).labels(model)
+        self.tpot = Histogram(
+            names.TIME_PER_OUTPUT_TOKEN, "", label, buckets=names.INTER_TOKEN_LATENCY_BUCKETS, registry=r
+        ).labels(model)
         self.ttft = Histogram(
             names.TIME_TO_FIRST_TOKEN, "", label, buckets=names.TIME_TO_FIRST_TOKEN_BUCKETS, registry=r
         ).labels(model)
@@ -128,6 +131,8 @@ def test_observation_rates_batch_and_ratios():
     engine.prefix_hits.inc(250)
     engine.waiting.set(6)
     engine.kv_usage.set(0.5)
+    for tpot in [0.04] * 97 + [0.3] * 3:  # requests' TPOT in the window: the P99 lies among the three slow ones
+        engine.tpot.observe(tpot)
     last = parse_snapshot(engine.text(), 10.0)
 
     obs = observe(window_delta([first, last]))
@@ -142,6 +147,7 @@ def test_observation_rates_batch_and_ratios():
     assert obs.waiting_now == 6
     assert obs.max_num_seqs == 16
     assert obs.itl_p99 is None and obs.itl_samples == 0
+    assert obs.tpot_samples == 100 and 0.25 < obs.tpot_p99 <= 0.3
 
 
 def test_window_slides_and_restarts_on_engine_restart_or_setting_change():

@@ -82,6 +82,7 @@ class SimulatedEngine:
             itl.append(t)  # every running row gets one token per step
         saturated = self.arrival_limited_batch > full
         seconds = sums["seconds"]
+        tpot = _request_tpots(itl, sums["rows"])
         return Observation(
             window_seconds=INTERVAL, pods=1, output_tokens_per_second=sums["rows"] / seconds,
             prompt_tokens_per_second=sums["prefill"] / seconds, requests_per_second=1.0, requests_finished=30.0,
@@ -98,16 +99,34 @@ class SimulatedEngine:
             prefill_step_p99=quantile(prefill, 0.99) if prefill else None,
             prefill_step_share=len(prefill) / self.steps,
             prefill_tokens_per_prefill_step=sums["prefill"] / len(prefill) if prefill else None,
+            tpot_samples=len(tpot), tpot_p99=quantile(tpot, 0.99),
         )
 
     def expected(self, m: int, tokens: int = 2048) -> Observation:
         return self.window(EngineSettings(max_num_seqs=m, max_num_batched_tokens=tokens), random.Random(99))
 
     def oracle(self, within: Tuning) -> float:
-        """The best throughput whose ITL P99 meets the SLO, over every setting in the bounds."""
+        """The best throughput whose ITL (or TPOT) P99 meets the SLO, over every setting in the bounds."""
+        kind, slo = within.slo.token_latency
         meeting = [obs.output_tokens_per_second for m in range(within.max_num_seqs.min, within.max_num_seqs.max + 1)
-                   if (obs := self.expected(m)).itl_p99 <= within.slo.itl_p99_seconds]
+                   if (obs := self.expected(m)).token_latency_p99(kind) <= slo]
         return max(meeting)
+
+
+def _request_tpots(steps: list[float], tokens: float) -> list[float]:
+    """Requests' TPOT: each request of 16-160 tokens decodes over consecutive steps, one token a step,
+    and its TPOT is their mean. Drawn from the window's own steps (its own generator, so the windows'
+    steps stay as they were drawn before TPOT was simulated)."""
+    rng = random.Random(len(steps) * 7919 + round(sum(steps) * 1e6))
+    prefix = [0.0]
+    for t in steps:
+        prefix.append(prefix[-1] + t)
+    tpots = []
+    for _ in range(max(int(tokens / 88), 1)):
+        length = min(rng.randint(16, 160), len(steps))
+        start = rng.randrange(len(steps) - length + 1)
+        tpots.append((prefix[start + length] - prefix[start]) / length)
+    return tpots
 
 
 def _poisson(rng: random.Random, mean: float) -> int:
@@ -306,6 +325,31 @@ def test_too_little_traffic_or_too_few_steps_is_not_judged():
     short = tune(replace(window, step_cost_sums=few, itl_p99=0.5), params, TUNING, TuningHistory(), now=0.0)
     assert not short.changed and "too few engine steps" in short.reason
     assert not tune(None, params, TUNING, TuningHistory(), now=0.0).changed
+    by_tpot = tuning(Slo(tpot_p99_seconds=0.1))
+    unfinished = tune(replace(window, tpot_samples=5.0, tpot_p99=0.5), params, by_tpot, TuningHistory(), now=0.0)
+    assert not unfinished.changed and "too few finished requests" in unfinished.reason
+
+
+# One step in ten carries a 400-token prompt: the ITL P99 lies among those steps, ~220 ms at any batch,
+# while a request's TPOT, the mean of its gaps, meets 100 ms up to 53 sequences.
+SPIKY = SimulatedEngine(a=0.02, b=0.001, c=0.0004, prefill_share=0.1, prompt_tokens=400)
+
+
+@pytest.mark.parametrize("start", [2, 256])
+def test_a_tpot_slo_is_set_by_the_mean_step_not_by_prefill_spikes(start):
+    # tuning_day.py's goodput counts requests by TPOT P99; an ITL SLO of the same figure is out of reach here
+    # (the tuner caps the prefill chunks instead), while the TPOT one is met by a batch of ~50.
+    within = tuning(Slo(tpot_p99_seconds=0.1), tokens=(64, 2048))
+    trace, final = run(SPIKY, start, within=within)
+    seqs = seqs_of(trace, final)
+    assert all(SPIKY.expected(m).tpot_p99 <= 0.1 for m in seqs[4:]), (seqs, [r for _, r, *_ in trace])
+    assert SPIKY.expected(final.max_num_seqs).output_tokens_per_second >= 0.8 * SPIKY.oracle(within), seqs
+    assert reversals(seqs) <= 1, seqs
+    # The chunk size spreads the same prefill tokens over steps: it does not move a request's mean gap.
+    assert {p.max_num_batched_tokens for p, *_ in trace} | {final.max_num_batched_tokens} == {2048}
+    assert "TPOT P99" in trace[-1][1] and "requests' tail" in trace[-1][1], trace[-1][1]
+    _, by_itl = run(SPIKY, start, within=tuning(Slo(itl_p99_seconds=0.1), tokens=(64, 2048)))
+    assert by_itl.max_num_batched_tokens < 2048
 
 
 def test_headroom_without_a_queue_does_not_grow():

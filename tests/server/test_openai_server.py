@@ -298,6 +298,9 @@ def test_metrics_follow_the_traffic(client, live, http):
     assert delta(f"{names.REQUEST_QUEUE_TIME}_count") == 3
     # Every token after a request's first is one inter-token latency sample.
     assert delta(f"{names.INTER_TOKEN_LATENCY}_count") == sum(u.completion_tokens - 1 for u in usages)
+    # One TPOT per request that produced two tokens or more: the mean of its inter-token gaps.
+    assert delta(f"{names.TIME_PER_OUTPUT_TOKEN}_count") == sum(1 for u in usages if u.completion_tokens > 1)
+    assert delta(f"{names.TIME_PER_OUTPUT_TOKEN}_sum") <= delta(f"{names.INTER_TOKEN_LATENCY}_sum") + 1e-9
     assert after[names.KV_CACHE_BLOCKS] == live.engine.num_kv_blocks
     assert after[names.KV_CACHE_USAGE] == 0.0 and after[names.REQUESTS_RUNNING] == 0
     assert after[names.MAX_NUM_SEQS] == 8
