@@ -68,6 +68,7 @@ class TunerConfig:
     max_backoff: float = 0.25  # at most ÷4 per interval downwards
     hysteresis: float = 0.05  # ignore moves smaller than this fraction of max_num_seqs
     saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
+    full_step: float = 0.9  # steps averaging this share of max_num_batched_tokens are full
     kv_headroom: float = 0.9  # use at most this share of the KV cache at observed lengths
     fit_window: int = 12  # windows pooled for the step-cost fit
     fit_max_ratio: float = 2.0  # windows with an ITL P99 over this × the SLO stay out of the fit
@@ -77,6 +78,7 @@ class TunerConfig:
     prefill_tail_share: float = 0.01  # prefill steps at least this share of steps can set the ITL P99
     tokens_step: float = 2.0  # max_num_batched_tokens moves at most ×2 / ÷2 per interval
     bracket_windows: int = 20  # how long a setting confirmed over the SLO stays out of reach
+    budget_floor_seconds: float = 600.0  # how long a budget that relieved a starved queue stays the floor
     tight_bracket: float = 0.25  # climbing back after a decrease only for a gain of at least this share
     history_length: int = 24
     memory_step: float = 0.02
@@ -95,6 +97,7 @@ class Sample:
     tokens_per_second: float
     saturated: bool
     preempting: bool
+    starved: bool = False  # prompts waited with slots free while the step budget filled every step
     ttft_p99: float | None = None
     cost_sums: dict[str, float] | None = None  # the window's step-cost sums (None: not exported)
     decode_tail: float = 1.0  # decode steps' P99 / their mean; for a TPOT SLO, the TPOT P99 / all steps' mean
@@ -121,6 +124,8 @@ class TuningHistory:
     changes: tuple[Change, ...] = ()
     oom_memory_ceiling: float | None = None  # a fraction that ran out of memory
     unreachable_at: float | None = None  # when the SLO was last found out of reach of every setting
+    budget_floor: int | None = None  # a max_num_batched_tokens raised to relieve a queue it starved
+    budget_floor_at: float | None = None  # when
 
     def to_dict(self) -> dict:
         return {
@@ -128,6 +133,8 @@ class TuningHistory:
             "changes": [asdict(c) for c in self.changes],
             "oomMemoryCeiling": self.oom_memory_ceiling,
             "unreachableAt": self.unreachable_at,
+            "budgetFloor": self.budget_floor,
+            "budgetFloorAt": self.budget_floor_at,
         }
 
     @classmethod
@@ -139,6 +146,8 @@ class TuningHistory:
             changes=tuple(Change(**c) for c in data.get("changes", ())),
             oom_memory_ceiling=data.get("oomMemoryCeiling"),
             unreachable_at=data.get("unreachableAt"),
+            budget_floor=data.get("budgetFloor"),
+            budget_floor_at=data.get("budgetFloorAt"),
         )
 
     def last_change(self, parameter: str) -> Change | None:
@@ -325,6 +334,15 @@ def tune(
                 f"preempting {observation.preemptions_per_second:.2f}/s with {waiting_per_pod:.1f} waiting per pod: "
                 f"the KV cache is the limit; gpu_memory_utilization {mem:g} → {raised:g}", history,
             )
+    # Prompts waiting with slots free while every step is full: the step budget, not the batch, holds
+    # admission back (tuning_day.py's first run lowered it to 64 for prefill spikes, and a 2x burst then
+    # ran 38 of 64 slots with 300 waiting and a TTFT P99 of 84 s).
+    if sample.starved and tuning.max_num_batched_tokens is not None:
+        raised = _budget_move(prediction, settings, tuning, history, target, now,
+                              f"{waiting_per_pod:.0f} waiting per pod with batch {sample.batch:.1f} of {m}, every step "
+                              f"full: the step budget admits prompts too slowly", decide, grow=True)
+        return replace(raised, history=replace(raised.history, budget_floor=raised.settings.max_num_batched_tokens,
+                                               budget_floor_at=now))
     best = _largest(lambda s: prediction.latency_p99(s, tokens) <= target, seq_bounds.min, seq_bounds.max)
     if best is not None and best < m and prediction.latency_p99(m, tokens) <= slo_latency:
         # Between the target and the SLO: where growth stops, but no reason to come down.
@@ -349,7 +367,7 @@ def tune(
     if (best is None or best < m) and decode_best is not None and decode_best >= m and \
             tuning.max_num_batched_tokens is not None:
         # The tail is prefill chunks sharing decode steps: a smaller budget per step cures it.
-        return _budget_move(prediction, settings, tuning, history, target, f"{where}: steps carrying prefill "
+        return _budget_move(prediction, settings, tuning, history, target, now, f"{where}: steps carrying prefill "
                             f"chunks set the tail{why}", decide, grow=False)
     if best is None or refuted:
         prefill_made = best is None and decode_best is not None
@@ -368,7 +386,7 @@ def tune(
         if ttft > slo_ttft and tuning.max_num_batched_tokens is not None and tokens is not None:
             larger = tuning.max_num_batched_tokens.clamp(tokens * config.tokens_step)
             if larger > tokens and prediction.latency_p99(m, larger) <= target:
-                return _budget_move(prediction, settings, tuning, history, target,
+                return _budget_move(prediction, settings, tuning, history, target, now,
                                     f"TTFT P99 {ttft:.2f} s > TTFT SLO {slo_ttft:g} s from prefill, with ITL "
                                     f"headroom{why}", decide, grow=True)
         best = min(best, m) if ttft <= slo_ttft else min(best, math.floor(m * slo_ttft * (1 - margin) / ttft), m - 1)
@@ -451,14 +469,18 @@ def _evidence(observation: Observation | None, settings: EngineSettings, kind: s
                        if observation.decode_step_p99 and observation.decode_step_mean else 1.0)
     m = observation.max_num_seqs or settings.max_num_seqs
     batch = observation.mean_running_per_pod
+    waiting = observation.waiting / max(observation.pods, 1)
+    budget = settings.max_num_batched_tokens or observation.max_num_batched_tokens
     return Sample(
         time=now,
         max_num_seqs=m,
-        max_num_batched_tokens=settings.max_num_batched_tokens or observation.max_num_batched_tokens,
+        max_num_batched_tokens=budget,
         batch=batch,
         latency_p99=latency,
         tokens_per_second=observation.output_tokens_per_second,
-        saturated=batch >= config.saturation_fill * m and observation.waiting / max(observation.pods, 1) > 0,
+        saturated=batch >= config.saturation_fill * m and waiting > 0,
+        starved=batch < config.saturation_fill * m and waiting > 0 and budget is not None and sums is not None
+        and (sums["rows"] + sums["prefill"]) / max(sums["steps"], 1.0) >= config.full_step * budget,
         preempting=observation.preemptions_per_second > 0,
         ttft_p99=observation.ttft_p99,
         cost_sums=dict(sums) if sums is not None else None,
@@ -632,18 +654,26 @@ def _move(m: int, best: int, sample: Sample, observation: Observation, bounds, s
 
 
 def _budget_move(prediction: Prediction, settings: EngineSettings, tuning: Tuning, history: TuningHistory,
-                 target: float, why: str, decide, *, grow: bool) -> Decision:
-    """A new max_num_batched_tokens: ×2 up for prefill that is too slow, or down to the largest budget
-    whose chunks are predicted to meet the ITL target (at most ÷2 per interval)."""
+                 target: float, now: float, why: str, decide, *, grow: bool) -> Decision:
+    """A new max_num_batched_tokens: ×2 up for prefill that is too slow or a queue it starves, or down
+    to the largest budget whose chunks are predicted to meet the ITL target (at most ÷2 per interval),
+    never again below the one that relieved a queue it starved lately."""
     bounds = tuning.max_num_batched_tokens
     assert bounds is not None
-    m = settings.max_num_seqs
+    config, m = prediction.config, settings.max_num_seqs
     tokens = settings.max_num_batched_tokens or bounds.max
     if grow:
-        new = bounds.clamp(tokens * prediction.config.tokens_step)
+        new = bounds.clamp(tokens * config.tokens_step)
     else:
         fits = min(prediction.budget_for(m, target), tokens)
-        new = max(math.floor(fits), math.ceil(tokens / prediction.config.tokens_step), bounds.min, m)
+        new = max(math.floor(fits), math.ceil(tokens / config.tokens_step), bounds.min, m)
+        floor = history.budget_floor
+        if floor is not None and history.budget_floor_at is not None and \
+                now - history.budget_floor_at < config.budget_floor_seconds:
+            new = max(new, floor)
+            if new >= tokens:
+                return decide(settings, f"{why}; a smaller budget starved the queue lately ({floor} relieved it): "
+                                        "holding", history)
     if new == tokens:
         return decide(settings, f"{why}; max_num_batched_tokens is at its bound {tokens}: holding", history,
                       unreachable=not grow)

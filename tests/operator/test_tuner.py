@@ -414,6 +414,33 @@ def test_the_token_budget_follows_max_num_seqs():
     assert decision.settings.max_num_batched_tokens >= decision.settings.max_num_seqs
 
 
+def test_a_queue_the_step_budget_starves_raises_the_budget_and_it_is_not_lowered_back():
+    # tuning_day.py's first run: the budget lowered to 64 for prefill spikes, then a 2x burst ran 38 of
+    # 64 slots with 300 waiting, every step 38 decode rows + 26 prompt tokens, a TTFT P99 of 84 s.
+    # Here: 16 of 24 slots running, every step 16 decode rows + 1,008 prompt tokens of a 1,024 budget.
+    within = tuning(tokens=(64, 2048))
+    params = EngineSettings(max_num_seqs=24, gpu_memory_utilization=0.9, max_num_batched_tokens=1024)
+    engine = SimulatedEngine(prefill_share=1.0, prompt_tokens=1500, arrival_limited_batch=16)
+    starved = replace(engine.window(params, random.Random(0)), waiting=300.0, waiting_now=300.0)
+    raised = tune(starved, params, within, TuningHistory(), now=0.0)
+    assert raised.settings.max_num_batched_tokens == 2048, raised.reason
+    assert raised.settings.max_num_seqs == 24 and "admits prompts too slowly" in raised.reason, raised.reason
+    # The same window without a queue: the budget is no one's bottleneck.
+    idle = tune(replace(starved, waiting=0.0, waiting_now=0.0), params, within, TuningHistory(), now=0.0)
+    assert idle.settings.max_num_batched_tokens == 1024, idle.reason
+    # Later, prefill spikes would lower it (as in test_a_tail_from_prefill_chunks_lowers_the_step_budget_not_the_batch),
+    # but not below the budget that relieved the queue, for ten minutes. (Only the floor is kept from the history,
+    # so that every decision reads the same step cost.)
+    spiky, at_2048 = SimulatedEngine(prefill_share=0.1, prompt_tokens=1500), raised.settings
+    floor = replace(raised.history, samples=(), changes=())
+    assert floor.budget_floor == 2048
+    for now, history, lowered in ((30.0, floor, False), (700.0, floor, True), (30.0, TuningHistory(), True)):
+        decision = tune(spiky.window(at_2048, random.Random(1)), at_2048, within, history, now=now)
+        assert (decision.settings.max_num_batched_tokens < 2048) == lowered, (now, decision.reason)
+    assert "starved the queue lately" in tune(spiky.window(at_2048, random.Random(1)), at_2048, within, floor,
+                                              now=30.0).reason
+
+
 def test_history_round_trips():
     trace, final = run(SimulatedEngine(), 4, intervals=5)
     history = trace[-1][3].history
