@@ -337,7 +337,8 @@ def tune(
     # Prompts waiting with slots free while every step is full: the step budget, not the batch, holds
     # admission back (tuning_day.py's first run lowered it to 64 for prefill spikes, and a 2x burst then
     # ran 38 of 64 slots with 300 waiting and a TTFT P99 of 84 s).
-    if sample.starved and tuning.max_num_batched_tokens is not None:
+    if sample.starved and tuning.max_num_batched_tokens is not None and tokens is not None and \
+            tokens < tuning.max_num_batched_tokens.max:
         raised = _budget_move(prediction, settings, tuning, history, target, now,
                               f"{waiting_per_pod:.0f} waiting per pod with batch {sample.batch:.1f} of {m}, every step "
                               f"full: the step budget admits prompts too slowly", decide, grow=True)
