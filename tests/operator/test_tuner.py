@@ -492,6 +492,25 @@ class SlowPrefillEngine(SimulatedEngine):
         return replace(obs, ttft_p99=self.ttft_p99(params.max_num_seqs), queue_time_p99=0.01, ttft_queue_share=0.02)
 
 
+def test_overloaded_the_tuner_aims_at_the_slo_with_the_least_margin():
+    # tuning_day.py's second run: the windows before a 2x burst (long prompts) read far from the
+    # prediction, the margin widened to 25%, and the burst ran 23-33 sequences where 48 met the SLO,
+    # while the queue every request sits in drained at the smaller batch's pace.
+    within = tuning(Slo(ttft_p99_seconds=10.0, itl_p99_seconds=0.1))
+    trace, params = run(SimulatedEngine(), 64, intervals=4, within=within)
+    history = trace[-1][3].history
+    history = replace(history, samples=tuple(replace(s, correction=c) for s, c in
+                                             zip(history.samples, (0.7, 1.4, 0.8, 1.3))))  # another workload's
+    decisions, params = {}, params.replace(max_num_seqs=20)  # ITL P99 ~80 ms
+    for queue in (1.0, 30.0):  # TTFT P99 ~1.2 s, then ~30 s, mostly queueing either way
+        window = QueueingEngine(queue_seconds=queue).window(params, random.Random(7))
+        decisions[queue] = tune(window, params, within, history, now=150.0)
+    assert "margin 25%" in decisions[1.0].reason, decisions[1.0].reason
+    assert "margin 5%" in decisions[30.0].reason, decisions[30.0].reason
+    assert decisions[30.0].settings.max_num_seqs > decisions[1.0].settings.max_num_seqs, \
+        (decisions[1.0].reason, decisions[30.0].reason)
+
+
 def test_a_ttft_made_of_queueing_does_not_grow_the_batch_without_an_itl_slo():
     trace, final = run(QueueingEngine(), 16, intervals=8, within=tuning(Slo(ttft_p99_seconds=2.0)))
     assert final.max_num_seqs == 16 and all(p.max_num_seqs == 16 for p, *_ in trace)
