@@ -8,7 +8,8 @@ Engine. Every system is a fresh ``kvpilot serve`` process (nothing cached from a
 or repeat) serving the generated ``small`` preset on the CPU, on the same cores (unpinned, like
 the load client that shares them), with the same deployment flags: ``--dtype`` (bfloat16 where
 the CPU has AVX-512 BF16, else float32), ``--max-model-len 2048``, ``--kv-cache-memory`` (1 GiB:
-the node's sizing, not a tuning knob), the admin API on. Only ``--max-num-seqs`` differs.
+the node's sizing, not a tuning knob), the admin API on, and ``--max-waiting-seconds`` when given
+(admission by predicted wait, the same for every system). Only ``--max-num-seqs`` differs.
 
 Capacity, calibrated once on a fresh server with the engine's defaults (as tuning.py calibrates: a
 saturating load, figures from /metrics): 64 closed-loop chat clients, started over one
@@ -151,6 +152,12 @@ def parse_args() -> argparse.Namespace:
                         help="seconds after the last arrival for outstanding requests; the rest miss the SLO")
     parser.add_argument("--calibration-seconds", type=float, default=60.0,
                         help="ramp, then window, of each capacity measurement")
+    parser.add_argument("--max-waiting-seconds", type=float, default=None, metavar="SECONDS",
+                        help="every system's --max-waiting-seconds (turn away what would wait longer to start); "
+                             "default: none, a first-come-first-served queue of up to 1,024")
+    parser.add_argument("--capacity", type=float, nargs=2, default=None, metavar=("CHAT", "RAG"),
+                        help="requests/s of each kind from an earlier calibration on this machine, instead of "
+                             "calibrating: the same trace as that run")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 with AVX-512 BF16, else float32")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="every system's KV cache")
     parser.add_argument("--seed", type=int, default=0)
@@ -226,6 +233,8 @@ def engine_server(model: Path, max_num_seqs: int | None, args: argparse.Namespac
     ]
     if max_num_seqs is not None:
         command += ["--max-num-seqs", str(max_num_seqs)]
+    if args.max_waiting_seconds is not None:
+        command += ["--max-waiting-seconds", str(args.max_waiting_seconds)]
     name = f"day-mns{max_num_seqs or 'default'}"
     # Not from the repo root: `python -m` puts the cwd first on sys.path, where operator/ would
     # shadow the standard library's module.
@@ -708,14 +717,20 @@ def main() -> int:
           f"{args.interval:g} s, {args.phase_intervals} a phase ({phase_seconds:g} s)", flush=True)
     tuning = tuning_spec(args)
     print(f"tuning spec: {tuning.model_dump(by_alias=True, exclude_none=True)}")
-    print("calibration on a fresh server with the engine's defaults:", flush=True)
-    server, _ = engine_server(model, None, args)
-    try:
-        server.wait_ready()
-        asyncio.run(warm_up(server.url, args.seed))
-        capacity = asyncio.run(calibrate(server.url, args.calibration_seconds, args.seed))
-    finally:
-        server.stop()
+    if args.max_waiting_seconds is not None:
+        print(f"admission (every system): --max-waiting-seconds {args.max_waiting_seconds:g}")
+    if args.capacity is not None:
+        capacity = dict(zip(("chat", "rag"), args.capacity, strict=True))
+        print(f"capacity as given (--capacity): chat {capacity['chat']:.2f} req/s, RAG {capacity['rag']:.2f} req/s")
+    else:
+        print("calibration on a fresh server with the engine's defaults:", flush=True)
+        server, _ = engine_server(model, None, args)
+        try:
+            server.wait_ready()
+            asyncio.run(warm_up(server.url, args.seed))
+            capacity = asyncio.run(calibrate(server.url, args.calibration_seconds, args.seed))
+        finally:
+            server.stop()
     phases, trace = make_day(capacity, phase_seconds, args.seed)
     for i, phase in enumerate(phases):
         count = sum(1 for r in trace if r.phase == i)

@@ -88,6 +88,7 @@ PREFIX_CACHE_HITS = "kvpilot_prefix_cache_hits_total"  # prompt tokens found cac
 PROMPT_TOKENS = "kvpilot_prompt_tokens_total"
 GENERATION_TOKENS = "kvpilot_generation_tokens_total"
 REQUEST_SUCCESS = "kvpilot_request_success_total"  # label: finish_reason
+REQUESTS_REJECTED = "kvpilot_requests_rejected_total"  # 429s at admission; label: reason (REJECT_REASONS)
 # Per LoRA adapter (label LORA_NAME_LABEL; only adapters loaded now, so as many series as adapters).
 LORA_REQUESTS = "kvpilot_lora_requests_total"  # finished requests that ran with the adapter
 LORA_GENERATION_TOKENS = "kvpilot_lora_generation_tokens_total"  # tokens generated with it
@@ -131,6 +132,10 @@ STEP_KINDS = ("decode", "prefill")  # decode rows only; carrying prefill tokens 
 STEP_KIND_LABEL = "step_kind"
 
 FINISH_REASON_LABEL = "finish_reason"
+REJECT_REASON_LABEL = "reason"
+# Why admission turned a request away: the queue held --max-waiting-requests, or the wait predicted
+# for it was over --max-waiting-seconds.
+REJECT_REASONS = ("queue_full", "queue_wait")
 MODEL_NAME_LABEL = "model_name"
 
 # Buckets that resolve both a 2-core CPU (tens to hundreds of ms per step) and

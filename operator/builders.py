@@ -290,6 +290,8 @@ def engine_args(name: str, spec: InferenceServiceSpec, in_effect: EngineSettings
         args += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
     if engine.tool_call_parser is not None:
         args += ["--tool-call-parser", engine.tool_call_parser]
+    if engine.max_waiting_seconds is not None:
+        args += ["--max-waiting-seconds", _number(engine.max_waiting_seconds)]
     if spec.loras:  # the adapters themselves come from the tuning file, which follows spec.loras live
         args += ["--enable-lora", "--max-loras", str(engine.max_loras), "--max-lora-rank", str(engine.max_lora_rank)]
     return args + list(engine.extra_args)

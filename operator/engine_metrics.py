@@ -40,6 +40,7 @@ COUNTERS = (
     names.PROMPT_TOKENS,
     names.GENERATION_TOKENS,
     names.REQUEST_SUCCESS,
+    names.REQUESTS_REJECTED,
     names.ENGINE_STEPS,
     names.STEP_RUNNING_SEQS,
 )
@@ -305,6 +306,12 @@ class Observation:
     # Requests' time per output token (one sample per finished request; None from engines without it).
     tpot_samples: float = 0.0
     tpot_p99: float | None = None
+    rejected_per_second: float = 0.0  # requests admission turned away (429), summed over pods
+
+    @property
+    def overloaded(self) -> bool:
+        """Requests were turned away for want of capacity: the pods were full, whatever their latency."""
+        return self.rejected_per_second > 0
 
     def token_latency_p99(self, kind: str) -> float | None:
         """The P99 of the SLO's per-token latency (``Slo.token_latency``'s kind): "TPOT" or "ITL"."""
@@ -367,6 +374,7 @@ def observe(delta: WindowDelta) -> Observation:
         kv_cache_usage=delta.gauge_means.get(names.KV_CACHE_USAGE, 0.0) / delta.pods,
         kv_cache_blocks=delta.gauge_lasts.get(names.KV_CACHE_BLOCKS, 0.0),
         preemptions_per_second=rate(names.PREEMPTIONS),
+        rejected_per_second=rate(names.REQUESTS_REJECTED),
         prefix_cache_hit_rate=(counters.get(names.PREFIX_CACHE_HITS, 0.0) / queries) if queries > 0 else None,
         mean_output_tokens_per_request=(generated / finished) if finished > 0 else None,
         max_num_seqs=setting_int(names.MAX_NUM_SEQS),

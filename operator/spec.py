@@ -417,6 +417,16 @@ class EngineParams(EngineSettings):
         default=16, ge=1, le=512,
         description="Largest rank (r) an adapter in spec.loras may have; a higher one fails to load, naming it.",
     )
+    max_waiting_seconds: float | None = Field(
+        default=None, gt=0, le=3600,
+        description=(
+            "Turn a request away (429 + Retry-After; the kvpilot gateway tries another Ready pod) when the "
+            "requests waiting ahead of it would take longer than this to start, at the pace the engine has been "
+            "starting them. Under overload this keeps the admitted requests within a time-to-first-token SLO "
+            "instead of queueing every one past it: set it below tuning.slo.ttftP99Seconds by the time a prompt "
+            "takes to prefill. Unset: requests queue up to the engine's --max-waiting-requests (1024)."
+        ),
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         max_length=64,
@@ -764,6 +774,9 @@ class MetricsStatus(StatusModel):
     requests_running: float | None = Field(default=None, description="Requests running, summed over pods.")
     requests_waiting: float | None = Field(default=None, description="Requests queued, summed over pods.")
     preemptions_per_second: float | None = Field(default=None, description="Requests preempted per second.")
+    rejected_per_second: float | None = Field(
+        default=None, description="Requests turned away per second (429: the queue full, or the wait over maxWaitingSeconds)."
+    )
     prefix_cache_hit_rate: float | None = Field(default=None, description="Fraction of prompt tokens found cached.")
     scraped_pods: int | None = Field(default=None, description="Ready pods whose metrics were read.")
     unscraped_pods: list[str] = Field(default_factory=list, description="Ready pods whose metrics could not be read.")

@@ -341,6 +341,7 @@ def metrics_status(scraped: ServiceMetrics, now: float) -> dict[str, Any]:
             requestsRunning=round(obs.running, 2),
             requestsWaiting=round(obs.waiting, 2),
             preemptionsPerSecond=round(obs.preemptions_per_second, 3),
+            rejectedPerSecond=round(obs.rejected_per_second, 3),
             prefixCacheHitRate=_rounded(obs.prefix_cache_hit_rate),
         )
     return MetricsStatus.model_validate(fields).model_dump(by_alias=True, exclude_none=True)

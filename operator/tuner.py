@@ -316,11 +316,12 @@ def tune(
     prediction, sample = _predict(history.samples, evidence, slo_latency, kind == "TPOT", config)
     history = replace(history, samples=(history.samples + (sample,))[-config.history_length:])
     ttft, queueing = sample.ttft_p99, observation.ttft_from_queueing
-    overloaded = ttft is not None and queueing and ttft > slo_ttft
-    # Overloaded (the TTFT SLO broken by queueing), every token/s drains the queue that all waiting requests
-    # sit in: aim at the SLO with the least margin; windows over it still bring the batch down. (tuning_day.py's
-    # second run: a margin widened by the phase change before a 2x burst held 23-33 sequences where 48 met the
-    # TPOT SLO, and the burst's backlog outlasted the quiet phase after it.)
+    overloaded = observation.overloaded or (ttft is not None and queueing and ttft > slo_ttft)
+    # Overloaded (requests turned away, or the TTFT SLO broken by queueing), every token/s drains the queue
+    # that all waiting requests sit in, or admits one more request: aim at the SLO with the least margin;
+    # windows over it still bring the batch down. (tuning_day.py's second run: a margin widened by the phase
+    # change before a 2x burst held 23-33 sequences where 48 met the TPOT SLO, and the burst's backlog
+    # outlasted the quiet phase after it.)
     margin = config.margin if overloaded else _margin(history.samples, config)
     target = slo_latency * (1 - margin)
     tokens = sample.max_num_batched_tokens

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -45,12 +46,26 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_float(text: str) -> float:
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _finite_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
 
@@ -139,6 +154,10 @@ SERVE_FLAGS = (
     Flag("max_lora_rank", "largest rank an adapter may have (default 16)", type=positive_int),
     Flag("max_waiting_requests", "requests that may wait for a batch slot; beyond it 429 + Retry-After",
          type=positive_int, default=1024),
+    Flag("max_waiting_seconds", "turn a request away (429 + Retry-After) when those waiting ahead of it would take "
+         "longer than this to start, at the pace the engine has been starting them: keeps admitted requests within "
+         "a time-to-first-token SLO under overload (set it below the SLO); unset: only --max-waiting-requests",
+         type=positive_float, metavar="SECONDS"),
     Flag("max_request_bytes", "largest request body accepted; beyond it 413 (default 32MiB)", type=parse_size,
          default=32 << 20, metavar="SIZE"),
     Flag("api_key", "require `Authorization: Bearer <key>` on /v1/* (prefer the env variable: a flag's value "

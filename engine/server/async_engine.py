@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvpilot.engine.server.admission import StartRate
 from kvpilot.engine.server.engine_protocol import Engine
 
 if TYPE_CHECKING:
@@ -40,7 +41,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; the client should retry later."""
+    """The waiting queue is full (``reason``: one of engine_contract.REJECT_REASONS); the client should
+    retry later."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class EngineDrainingError(RuntimeError):
@@ -57,6 +63,8 @@ class StepObserver(Protocol):
     def on_step(self, outputs: list[RequestOutput], now: float) -> None: ...
 
     def on_abort(self, request_id: str, num_sequences: int) -> None: ...
+
+    def on_reject(self, reason: str) -> None: ...  # on the event loop: admission turned a request away
 
 
 class RequestStream:
@@ -141,12 +149,16 @@ class AsyncLLMEngine:
         engine: Engine,
         *,
         max_waiting_requests: int | None = None,
+        max_waiting_seconds: float | None = None,
         observer: StepObserver | None = None,
     ) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests: must be >= 0, got {max_waiting_requests}")
+        if max_waiting_seconds is not None and max_waiting_seconds <= 0:
+            raise ValueError(f"max_waiting_seconds: must be > 0, got {max_waiting_seconds}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_seconds = max_waiting_seconds
         self._observer = observer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -157,6 +169,7 @@ class AsyncLLMEngine:
         # thread plus the engine's own waiting requests at the last snapshot.
         self._pending_adds = 0
         self._engine_waiting = 0
+        self._start_rate = StartRate()  # how fast waiting requests start, for --max-waiting-seconds
         self._stats = engine.stats()
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
         self._live_ids: set[str] = set()  # engine thread only: added and not finished or aborted
@@ -220,8 +233,8 @@ class AsyncLLMEngine:
         """Queue a request; returns its stream once the engine accepted it.
 
         Raises the engine's ValueError for an invalid request, EngineOverloadedError
-        when the waiting queue is full, EngineDrainingError while shutting down and
-        EngineDeadError after the loop died.
+        when the waiting queue is full (by count or by predicted wait), EngineDrainingError
+        while shutting down and EngineDeadError after the loop died.
         """
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
@@ -233,14 +246,12 @@ class AsyncLLMEngine:
         future = self._loop.create_future()
         stream = RequestStream(request_id, params)
         with self._wakeup:
-            if (
-                self.max_waiting_requests is not None
-                and self._pending_adds + self._engine_waiting >= self.max_waiting_requests
-            ):
-                raise EngineOverloadedError(
-                    f"the waiting queue is full ({self.max_waiting_requests} requests, --max-waiting-requests); "
-                    "retry later"
-                )
+            try:
+                self._check_admission(self._pending_adds + self._engine_waiting)
+            except EngineOverloadedError as exc:
+                if self._observer is not None:
+                    self._observer.on_reject(exc.reason)
+                raise
             self._pending_adds += 1
             self._streams[request_id] = stream
             self._commands.append(
@@ -257,6 +268,24 @@ class AsyncLLMEngine:
                 self._enqueue(_Abort([request_id], stream.num_sequences))
             raise
         return stream
+
+    def _check_admission(self, waiting: int) -> None:
+        """Raises EngineOverloadedError when a request queued behind ``waiting`` others is over a limit."""
+        if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the waiting queue is full ({self.max_waiting_requests} requests, --max-waiting-requests); "
+                "retry later", reason="queue_full",
+            )
+        if self.max_waiting_seconds is None:
+            return
+        wait = self._start_rate.predicted_wait(waiting)
+        if wait is not None and wait > self.max_waiting_seconds:
+            rate = self._start_rate.per_second or 0.0
+            raise EngineOverloadedError(
+                f"a request now would wait about {min(wait, 3600):.0f} s for a batch slot ({waiting} waiting, "
+                f"{rate:.1f} starting per second), over --max-waiting-seconds {self.max_waiting_seconds:g}; "
+                "retry later or on another replica", reason="queue_wait",
+            )
 
     def abort(self, request_id: str) -> None:
         """Abort a request now: its stream ends with RequestAbortedError, its KV blocks are freed."""
@@ -339,9 +368,13 @@ class AsyncLLMEngine:
                 self._apply(commands)
                 commands = []
                 if self.engine.has_unfinished_requests():
+                    queued = self._engine_waiting  # as of the commands just applied
+                    started_at = time.monotonic()
                     outputs = self.engine.step()
                     now = time.monotonic()
                     self._snapshot()
+                    with self._wakeup:
+                        self._start_rate.observe(now - started_at, queued, queued - self._engine_waiting)
                     if self._observer is not None:
                         self._observer.on_step(outputs, now)
                     self._live_ids.difference_update(o.request_id for o in outputs if o.finished)

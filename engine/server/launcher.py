@@ -185,15 +185,17 @@ def run_server(args: argparse.Namespace) -> int:
         admin_token=args.admin_token,
         admin_port=args.admin_port if args.admin_token else None,
         max_waiting_requests=args.max_waiting_requests,
+        max_waiting_seconds=args.max_waiting_seconds,
         shutdown_grace_period=args.shutdown_grace_period,
         max_request_bytes=args.max_request_bytes,
         chat=ChatSettings(chat_template=chat_template, tool_call_parser=args.tool_call_parser),
     )
     app = build_app(engine, settings)
     logger.info(
-        "listening on http://%s:%d (API key %s, admin API %s, waiting queue %d, shutdown grace %.0fs)",
+        "listening on http://%s:%d (API key %s, admin API %s, waiting queue %d requests%s, shutdown grace %.0fs)",
         args.host, args.port, "required" if args.api_key else "off",
         f"on port {args.admin_port}" if args.admin_token else "off", args.max_waiting_requests,
+        f" or {args.max_waiting_seconds:g} s of predicted wait" if args.max_waiting_seconds else "",
         args.shutdown_grace_period,
     )  # fmt: skip
     uvicorn_config = uvicorn.Config(

@@ -207,6 +207,15 @@ class ServerMetrics:
         )
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
+        self.requests_rejected = Counter(
+            names.counter_base_name(names.REQUESTS_REJECTED),
+            "Requests turned away at admission with 429, by reason: queue_full (--max-waiting-requests) or "
+            "queue_wait (the predicted wait over --max-waiting-seconds).",
+            labelnames=[names.MODEL_NAME_LABEL, names.REJECT_REASON_LABEL],
+            registry=self.registry,
+        )
+        for reason in names.REJECT_REASONS:
+            self.requests_rejected.labels(model_name, reason)
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]):
             return Histogram(
                 name, documentation, labelnames=label, buckets=buckets, registry=self.registry
@@ -304,6 +313,9 @@ class ServerMetrics:
     def on_abort(self, request_id: str, num_sequences: int) -> None:
         self._progress.pop(request_id, None)
         self.request_success.labels(self.model_name, "abort").inc(num_sequences)
+
+    def on_reject(self, reason: str) -> None:
+        self.requests_rejected.labels(self.model_name, reason).inc()
 
     def _observe_first_token(self, output: RequestOutput, now: float) -> None:
         metrics = output.metrics

@@ -35,6 +35,7 @@ class ServerSettings:
     admin_token: str | None = None
     admin_port: int | None = None  # the local port whose requests are the admin API's; None: admin API off
     max_waiting_requests: int | None = None
+    max_waiting_seconds: float | None = None
     shutdown_grace_period: float = 30.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     chat: ChatSettings = ChatSettings()
@@ -53,7 +54,10 @@ class ServerState:
             model_info=_model_info(engine),
         )
         self.async_engine = AsyncLLMEngine(
-            engine, max_waiting_requests=settings.max_waiting_requests, observer=self.metrics
+            engine,
+            max_waiting_requests=settings.max_waiting_requests,
+            max_waiting_seconds=settings.max_waiting_seconds,
+            observer=self.metrics,
         )
         self.serving = OpenAIServing(
             self.async_engine,

@@ -261,6 +261,14 @@ def test_tool_call_parser_and_chat_template_reach_the_engine():
     assert all(env["name"] != "KVPILOT_CHAT_TEMPLATE" for env in plain["env"])
 
 
+def test_max_waiting_seconds_reaches_the_engine_only_when_set():
+    container = _engine(_children({"model": {"uri": "pvc://models/llama"},
+                                   "engine": {"maxWaitingSeconds": 8}}).deployment)
+    assert float(_flag(container["args"], "--max-waiting-seconds")) == 8.0
+    plain = _engine(_children({"model": {"uri": "pvc://models/llama"}}).deployment)
+    assert "--max-waiting-seconds" not in plain["args"]
+
+
 def test_a_memory_limit_reaches_the_engine_so_the_memory_fraction_sizes_a_cpus_kv_cache():
     container = _engine(_children({"model": {"uri": "pvc://models/llama"},
                                    "resources": {"gpus": 0, "memory": "8Gi"}}).deployment)

@@ -38,6 +38,7 @@ class EngineMetrics:
         self.generation = counter(names.GENERATION_TOKENS).labels(model)
         self.prompt = counter(names.PROMPT_TOKENS).labels(model)
         self.success = counter(names.REQUEST_SUCCESS, [names.FINISH_REASON_LABEL])
+        self.rejected = counter(names.REQUESTS_REJECTED, [names.REJECT_REASON_LABEL])
         self.steps = counter(names.ENGINE_STEPS).labels(model)
         self.step_running = counter(names.STEP_RUNNING_SEQS).labels(model)
         self.preemptions = counter(names.PREEMPTIONS).labels(model)
@@ -127,6 +128,8 @@ def test_observation_rates_batch_and_ratios():
     engine.success.labels("m", "stop").inc(3)
     engine.success.labels("m", "length").inc(2)  # summed over finish reasons
     engine.preemptions.inc(4)
+    engine.rejected.labels("m", "queue_wait").inc(6)
+    engine.rejected.labels("m", "queue_full").inc(1)  # summed over reasons
     engine.prefix_queries.inc(1000)
     engine.prefix_hits.inc(250)
     engine.waiting.set(6)
@@ -141,6 +144,7 @@ def test_observation_rates_batch_and_ratios():
     assert obs.requests_per_second == pytest.approx(0.5)
     assert obs.mean_running_per_pod == pytest.approx(8.0)
     assert obs.preemptions_per_second == pytest.approx(0.4)
+    assert obs.rejected_per_second == pytest.approx(0.7) and obs.overloaded
     assert obs.prefix_cache_hit_rate == pytest.approx(0.25)
     assert obs.mean_output_tokens_per_request == pytest.approx(100.0)
     assert obs.waiting == pytest.approx(3.0)  # mean of the two snapshots

@@ -502,13 +502,17 @@ def test_overloaded_the_tuner_aims_at_the_slo_with_the_least_margin():
     history = replace(history, samples=tuple(replace(s, correction=c) for s, c in
                                              zip(history.samples, (0.7, 1.4, 0.8, 1.3))))  # another workload's
     decisions, params = {}, params.replace(max_num_seqs=20)  # ITL P99 ~80 ms
-    for queue in (1.0, 30.0):  # TTFT P99 ~1.2 s, then ~30 s, mostly queueing either way
-        window = QueueingEngine(queue_seconds=queue).window(params, random.Random(7))
+    # TTFT P99 ~1.2 s, ~30 s, and ~7 s with requests turned away (--max-waiting-seconds keeps the admitted
+    # ones within the TTFT SLO): mostly queueing each time.
+    for queue, rejected in ((1.0, 0.0), (30.0, 0.0), (7.0, 2.5)):
+        window = replace(QueueingEngine(queue_seconds=queue).window(params, random.Random(7)),
+                         rejected_per_second=rejected)
         decisions[queue] = tune(window, params, within, history, now=150.0)
     assert "margin 25%" in decisions[1.0].reason, decisions[1.0].reason
-    assert "margin 5%" in decisions[30.0].reason, decisions[30.0].reason
-    assert decisions[30.0].settings.max_num_seqs > decisions[1.0].settings.max_num_seqs, \
-        (decisions[1.0].reason, decisions[30.0].reason)
+    for overloaded in (30.0, 7.0):
+        assert "margin 5%" in decisions[overloaded].reason, decisions[overloaded].reason
+        assert decisions[overloaded].settings.max_num_seqs > decisions[1.0].settings.max_num_seqs, \
+            (decisions[1.0].reason, decisions[overloaded].reason)
 
 
 def test_a_ttft_made_of_queueing_does_not_grow_the_batch_without_an_itl_slo():

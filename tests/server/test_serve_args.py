@@ -63,6 +63,8 @@ def test_environment_fills_flags_and_the_command_line_wins():
         ({"KVPILOT_ENFORCE_EAGER": "perhaps"}, "true or false"),
         ({"KVPILOT_DEVICE": "tpu"}, "must be one of auto, cpu, cuda"),
         ({"KVPILOT_KV_CACHE_MEMORY": "lots"}, "4GiB"),
+        ({"KVPILOT_MAX_WAITING_SECONDS": "0"}, "KVPILOT_MAX_WAITING_SECONDS='0' (for --max-waiting-seconds): must be > 0"),
+        ({"KVPILOT_MAX_WAITING_SECONDS": "inf"}, "finite number"),
     ],
 )
 def test_bad_environment_values_name_the_variable(env, fragment):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import pytest
@@ -42,6 +43,8 @@ def test_full_waiting_queue_answers_429_then_recovers(small, step_gate):
                 assert rejected.status_code == 429
                 assert int(rejected.headers["Retry-After"]) >= 1
                 assert rejected.json()["error"]["type"] == "rate_limit_error"
+                metrics = (await client.get("/metrics")).text
+                assert re.search(r'kvpilot_requests_rejected_total\{[^}]*reason="queue_full"[^}]*\} 1\.0', metrics)
                 gate.open()
                 rest = [line async for line in lines if line.startswith("data:")]
                 assert rest[-1] == "data: [DONE]"
