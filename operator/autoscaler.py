@@ -2,7 +2,8 @@
 
 A pure function. Demand is the output-token rate the service is asked for:
 what it served in the window plus its queue, spread over the time a queue
-may take to drain. Capacity is what one Ready replica delivered while it was
+may take to drain, plus the requests its pods turned away (429: the waiting
+queue full, or --max-waiting-seconds). Capacity is what one Ready replica delivered while it was
 saturated at its tuned ``max_num_seqs`` (the tuner moves it, so it is
 re-measured continuously). Replicas plan to run at ``target_utilization`` of
 that capacity. Until a replica has been saturated once, batch slots stand in
@@ -170,11 +171,16 @@ def autoscale(
     tokens_per_request = observation.mean_output_tokens_per_request or 0.0
     queued = observation.waiting_now + held
     backlog = queued * tokens_per_request / policy.queue_drain_seconds
-    demand = observation.output_tokens_per_second + backlog
+    # Requests the pods turned away (the queue full, or --max-waiting-seconds) are demand as much as
+    # those served: without them a pod that sheds half its load would look like enough.
+    turned_away = observation.rejected_per_second * tokens_per_request
+    demand = observation.output_tokens_per_second + backlog + turned_away
     demand_text = f"demand {demand:.0f} tok/s ({observation.output_tokens_per_second:.0f} served"
     if queued:
         demand_text += f" + queue of {observation.waiting_now:.0f}"
         demand_text += f" and {held} held at the gateway" if held else ""
+    if turned_away:
+        demand_text += f" + {observation.rejected_per_second:.1f} req/s turned away"
     demand_text += ")"
 
     if demand <= 0 and not queued:

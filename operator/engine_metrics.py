@@ -307,6 +307,7 @@ class Observation:
     tpot_samples: float = 0.0
     tpot_p99: float | None = None
     rejected_per_second: float = 0.0  # requests admission turned away (429), summed over pods
+    running_now: float = 0.0  # at the window's end, summed over pods
 
     @property
     def overloaded(self) -> bool:
@@ -375,6 +376,7 @@ def observe(delta: WindowDelta) -> Observation:
         kv_cache_blocks=delta.gauge_lasts.get(names.KV_CACHE_BLOCKS, 0.0),
         preemptions_per_second=rate(names.PREEMPTIONS),
         rejected_per_second=rate(names.REQUESTS_REJECTED),
+        running_now=delta.gauge_lasts.get(names.REQUESTS_RUNNING, 0.0),
         prefix_cache_hit_rate=(counters.get(names.PREFIX_CACHE_HITS, 0.0) / queries) if queries > 0 else None,
         mean_output_tokens_per_request=(generated / finished) if finished > 0 else None,
         max_num_seqs=setting_int(names.MAX_NUM_SEQS),

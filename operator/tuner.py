@@ -68,6 +68,7 @@ class TunerConfig:
     max_backoff: float = 0.25  # at most ÷4 per interval downwards
     hysteresis: float = 0.05  # ignore moves smaller than this fraction of max_num_seqs
     saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
+    filling_growth: float = 1.5  # a batch ending at ≥ this × the window's mean, saturated, filled up in the window
     full_step: float = 0.9  # steps averaging this share of max_num_batched_tokens are full
     kv_headroom: float = 0.9  # use at most this share of the KV cache at observed lengths
     fit_window: int = 12  # windows pooled for the step-cost fit
@@ -98,6 +99,7 @@ class Sample:
     saturated: bool
     preempting: bool
     starved: bool = False  # prompts waited with slots free while the step budget filled every step
+    filling: bool = False  # the load rose in the window: its batch ended saturated, far above its mean
     ttft_p99: float | None = None
     cost_sums: dict[str, float] | None = None  # the window's step-cost sums (None: not exported)
     decode_tail: float = 1.0  # decode steps' P99 / their mean; for a TPOT SLO, the TPOT P99 / all steps' mean
@@ -416,6 +418,14 @@ def tune(
         elif not violated:
             return decide(settings, f"{where} is within the noise band ({band:.0%}) over {slo_text}: confirming "
                                     f"over one more window{why}", history)
+        elif sample.filling and not (len(history.samples) > 1 and history.samples[-2].filling):
+            # A per-request latency lags the load: the requests finishing in a window whose batch filled up
+            # ran mostly before, under the traffic that came before (tuning_day.py's third and fourth runs:
+            # the first window of a 2x burst read the long-prompt phase's TPOT and cut 64 to 16).
+            return decide(settings, f"{where}: the batch filled up during this window (to "
+                                    f"{observation.running_now / max(observation.pods, 1):.0f} running, with a queue): "
+                                    f"the requests it judged ran before the load changed; confirming over one more "
+                                    f"window{why}", history)
         elif probe is None:
             now_level = replace(prediction, level=sample.level or prediction.level)
             best = min(best, _largest(lambda s: now_level.latency_p99(s, tokens) <= target, seq_bounds.min, m - 1)
@@ -477,6 +487,7 @@ def _evidence(observation: Observation | None, settings: EngineSettings, kind: s
     m = observation.max_num_seqs or settings.max_num_seqs
     batch = observation.mean_running_per_pod
     waiting = observation.waiting / max(observation.pods, 1)
+    running_now = observation.running_now / max(observation.pods, 1)
     budget = settings.max_num_batched_tokens or observation.max_num_batched_tokens
     return Sample(
         time=now,
@@ -488,6 +499,8 @@ def _evidence(observation: Observation | None, settings: EngineSettings, kind: s
         saturated=batch >= config.saturation_fill * m and waiting > 0,
         starved=batch < config.saturation_fill * m and waiting > 0 and budget is not None and sums is not None
         and (sums["rows"] + sums["prefill"]) / max(sums["steps"], 1.0) >= config.full_step * budget,
+        filling=running_now >= max(config.filling_growth * batch, config.saturation_fill * m)
+        and observation.waiting_now > 0,
         preempting=observation.preemptions_per_second > 0,
         ttft_p99=observation.ttft_p99,
         cost_sums=dict(sums) if sums is not None else None,

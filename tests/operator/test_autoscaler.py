@@ -64,6 +64,19 @@ def test_scales_up_fast():
     assert max(replicas[3:6]) >= needed  # what the demand needs within three windows
 
 
+def test_requests_turned_away_count_as_demand():
+    # One replica offered 1,200 tok/s under --max-waiting-seconds: it serves its 400 and keeps a short queue,
+    # turning the rest away (8 requests/s of 100 tokens) instead of queueing them.
+    shedding, saturated = load(400.0, 1)
+    shedding = replace(shedding, waiting=10.0, waiting_now=10.0, rejected_per_second=8.0)
+    decision = autoscale(shedding, ReplicaState(1, 1), POLICY, ScalingHistory(), 0.0, True)
+    assert decision.replicas >= math.ceil(1200 / (CAPACITY * POLICY.target_utilization)), decision.reason
+    assert "8.0 req/s turned away" in decision.reason, decision.reason
+    unseen = autoscale(replace(shedding, rejected_per_second=0.0), ReplicaState(1, 1), POLICY, ScalingHistory(),
+                       0.0, True)
+    assert unseen.replicas < decision.replicas, unseen.reason
+
+
 def test_scales_down_slowly_one_replica_after_the_stabilization_window():
     seen = simulate([1500.0] * 12 + [200.0] * 30, start=5)
     replicas = [r for r, _ in seen]

@@ -133,6 +133,7 @@ def test_observation_rates_batch_and_ratios():
     engine.prefix_queries.inc(1000)
     engine.prefix_hits.inc(250)
     engine.waiting.set(6)
+    engine.running.set(12)
     engine.kv_usage.set(0.5)
     for tpot in [0.04] * 97 + [0.3] * 3:  # requests' TPOT in the window: the P99 lies among the three slow ones
         engine.tpot.observe(tpot)
@@ -148,7 +149,7 @@ def test_observation_rates_batch_and_ratios():
     assert obs.prefix_cache_hit_rate == pytest.approx(0.25)
     assert obs.mean_output_tokens_per_request == pytest.approx(100.0)
     assert obs.waiting == pytest.approx(3.0)  # mean of the two snapshots
-    assert obs.waiting_now == 6
+    assert obs.waiting_now == 6 and obs.running_now == 12 and obs.running == pytest.approx(6.0)
     assert obs.max_num_seqs == 16
     assert obs.itl_p99 is None and obs.itl_samples == 0
     assert obs.tpot_samples == 100 and 0.25 < obs.tpot_p99 <= 0.3

@@ -352,6 +352,27 @@ def test_a_tpot_slo_is_set_by_the_mean_step_not_by_prefill_spikes(start):
     assert by_itl.max_num_batched_tokens < 2048
 
 
+def test_a_window_whose_batch_filled_up_does_not_cut_the_batch_until_the_next_one_agrees():
+    # tuning_day.py's third and fourth runs: the first window of a 2x burst ran 15 of 64 slots on average and
+    # ended with all 64 running and a queue; the requests finishing in it had run in the long-prompt phase
+    # before (TPOT 147 ms), and the tuner cut 64 to 16 for five intervals of the burst.
+    within = tuning(Slo(tpot_p99_seconds=0.1))
+    light = SimulatedEngine(arrival_limited_batch=8)
+    trace, params = run(light, 64, intervals=4, within=within)
+    assert params.max_num_seqs == 64, seqs_of(trace, params)
+    history = trace[-1][3].history
+    burst = replace(SimulatedEngine().window(params, random.Random(3), ramp=0.9), tpot_p99=0.147,
+                    running_now=64.0, waiting=20.0, waiting_now=43.0)
+    held = tune(burst, params, within, history, now=200.0)
+    assert held.settings.max_num_seqs == 64 and "filled up during this window" in held.reason, held.reason
+    # The same window with a batch that did not grow: a decrease, as before.
+    steady = tune(replace(burst, running_now=burst.mean_running_per_pod), params, within, history, now=200.0)
+    assert steady.settings.max_num_seqs < 64, steady.reason
+    # And a second window like it: the new load is here to stay, and its own requests are over the SLO.
+    again = tune(burst, params, within, held.history, now=210.0)
+    assert again.settings.max_num_seqs < 64, again.reason
+
+
 def test_headroom_without_a_queue_does_not_grow():
     trace, final = run(SimulatedEngine(arrival_limited_batch=10), 16, intervals=6)
     assert final.max_num_seqs == 16 and "not saturated" in trace[-1][1]
