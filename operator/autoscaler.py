@@ -3,9 +3,9 @@
 A pure function. Demand is the output-token rate the service is asked for:
 what it served in the window plus its queue, spread over the time a queue
 may take to drain, plus the requests its pods turned away (429: the waiting
-queue full, or --max-waiting-seconds). Capacity is what one Ready replica delivered while it was
-saturated at its tuned ``max_num_seqs`` (the tuner moves it, so it is
-re-measured continuously). Replicas plan to run at ``target_utilization`` of
+queue full, or --max-waiting-seconds). Capacity is what one Ready replica
+delivered while it was saturated at its tuned ``max_num_seqs`` (the tuner
+moves it, so it is re-measured continuously). Replicas plan to run at ``target_utilization`` of
 that capacity. Until a replica has been saturated once, batch slots stand in
 for tokens: requests running or queued against ``max_num_seqs`` per replica.
 

@@ -422,10 +422,9 @@ def tune(
             # A per-request latency lags the load: the requests finishing in a window whose batch filled up
             # ran mostly before, under the traffic that came before (tuning_day.py's third and fourth runs:
             # the first window of a 2x burst read the long-prompt phase's TPOT and cut 64 to 16).
-            return decide(settings, f"{where}: the batch filled up during this window (to "
-                                    f"{observation.running_now / max(observation.pods, 1):.0f} running, with a queue): "
-                                    f"the requests it judged ran before the load changed; confirming over one more "
-                                    f"window{why}", history)
+            return decide(settings, f"{where}: the batch filled up during this window (ending saturated, with a "
+                                    f"queue): the requests it judged ran before the load changed; confirming over "
+                                    f"one more window{why}", history)
         elif probe is None:
             now_level = replace(prediction, level=sample.level or prediction.level)
             best = min(best, _largest(lambda s: now_level.latency_p99(s, tokens) <= target, seq_bounds.min, m - 1)
