@@ -25,6 +25,7 @@ import torch
 
 from kvpilot.kernels import cpu_features
 from kvpilot.kernels.cpu_build import KernelBuildError, load_library
+from kvpilot.kernels.cpu_huge_pages import copy_to_huge_pages
 from kvpilot.kernels.quant_layout import CHUNK, check_packed, unpack_codes
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ def interleave(
     group_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The same weight in the kernel's layout: codes [N / 16, K / 32, 4 (4 bits) or 8 (8 bits), 16, 4]
-    uint8, scales and offsets [N / 16, K / group_size, 16] float16. As many bytes as before."""
+    uint8, scales and offsets [N / 16, K / group_size, 16] float16. As many bytes as before, on
+    transparent huge pages (cpu_huge_pages.py: the kernel streams them at small batches)."""
     n, k = check_packed(codes, scales, offsets, bits=bits, group_size=group_size)
     if n % FEATURE_TILE:
         raise ValueError(f"out_features ({n}) must be a multiple of {FEATURE_TILE}")
@@ -58,9 +60,9 @@ def interleave(
         tiled = values.permute(0, 2, 3, 1, 4)  # tile run j f q
 
     def per_tile(table: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [N / 16, groups, 16]
-        return table.view(n // FEATURE_TILE, FEATURE_TILE, -1).transpose(1, 2).contiguous()
+        return copy_to_huge_pages(table.view(n // FEATURE_TILE, FEATURE_TILE, -1).transpose(1, 2))
 
-    return tiled.contiguous(), per_tile(scales), None if offsets is None else per_tile(offsets)
+    return copy_to_huge_pages(tiled), per_tile(scales), None if offsets is None else per_tile(offsets)
 
 
 def rows(
