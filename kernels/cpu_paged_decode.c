@@ -8,9 +8,9 @@
  * The OpenMP calls bind to the libgomp torch has already loaded, so this kernel and torch's own
  * operators share one thread pool and one thread count (torch.set_num_threads).
  *
- * Work item: one sequence, all heads. A cache block holds its tokens' K (then V) rows for every KV
- * head back to back, so an item reads each block front to back, once, and uses every K/V row for
- * all the query heads that share it. Per block: scores for its tokens, an online-softmax update
+ * Work item: one sequence and one KV head, so a single sequence (batch 1) still spreads over the
+ * threads. An item reads its KV head's K (then V) row of each token in a block, once, for all the
+ * query heads that share it. Per block: scores for its tokens, an online-softmax update
  * (running max and sum per query head), then the weighted V rows added to float32 accumulators.
  *
  * Layouts (element strides; the last dimension of query, out and kv_cache is contiguous):
@@ -29,7 +29,6 @@
 #error "build with -DHEAD_DIM=.. -DKV_HEADS=.. -DGROUP=.. -DBLOCK_SIZE=.. -DDTYPE=.."
 #endif
 
-#define HEADS (KV_HEADS * GROUP)
 #define TOKEN_STRIDE (KV_HEADS * HEAD_DIM) /* elements from one cached token to the next */
 
 void kvpilot_paged_decode_attention(
@@ -42,65 +41,61 @@ void kvpilot_paged_decode_attention(
     const elem_t *v_cache = kv_cache + num_blocks * block_stride;
 
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n; ++item) {
-        const int64_t row = rows[item];
-        const int64_t seq_len = seq_lens[seqs[item]];
-        const int32_t *table = block_tables + seqs[item] * table_stride;
+    for (int64_t item = 0; item < n * KV_HEADS; ++item) {
+        const int64_t row = rows[item / KV_HEADS], kvh = item % KV_HEADS;
+        const int64_t seq_len = seq_lens[seqs[item / KV_HEADS]];
+        const int32_t *table = block_tables + seqs[item / KV_HEADS] * table_stride;
 
-        float q[HEADS][HEAD_DIM], acc[HEADS][HEAD_DIM], scores[HEADS][BLOCK_SIZE];
-        float running_max[HEADS], running_sum[HEADS];
-        for (int h = 0; h < HEADS; ++h) {
-            const elem_t *q_row = query + row * q_stride_tok + h * q_stride_head;
+        float q[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], scores[GROUP][BLOCK_SIZE];
+        float running_max[GROUP], running_sum[GROUP];
+        for (int g = 0; g < GROUP; ++g) {
+            const elem_t *q_row = query + row * q_stride_tok + (kvh * GROUP + g) * q_stride_head;
             for (int d = 0; d < HEAD_DIM; ++d) {
-                q[h][d] = to_f32(q_row[d]) * scale;
-                acc[h][d] = 0.0f;
+                q[g][d] = to_f32(q_row[d]) * scale;
+                acc[g][d] = 0.0f;
             }
-            running_max[h] = -FLT_MAX; /* finite: -ffast-math assumes no infinities */
-            running_sum[h] = 0.0f;
+            running_max[g] = -FLT_MAX; /* finite: -ffast-math assumes no infinities */
+            running_sum[g] = 0.0f;
         }
         for (int64_t start = 0; start < seq_len; start += BLOCK_SIZE) {
-            const int64_t offset = table[start / BLOCK_SIZE] * block_stride;
+            const int64_t offset = table[start / BLOCK_SIZE] * block_stride + kvh * HEAD_DIM;
             const int count = seq_len - start < BLOCK_SIZE ? (int)(seq_len - start) : BLOCK_SIZE;
             const elem_t *k_rows = kv_cache + offset, *v_rows = v_cache + offset;
             for (int t = 0; t < count; ++t) {
-                for (int kvh = 0; kvh < KV_HEADS; ++kvh) {
-                    float k[HEAD_DIM];
-                    for (int d = 0; d < HEAD_DIM; ++d) k[d] = to_f32(k_rows[t * TOKEN_STRIDE + kvh * HEAD_DIM + d]);
-                    for (int g = 0; g < GROUP; ++g) {
-                        float dot = 0.0f;
-                        for (int d = 0; d < HEAD_DIM; ++d) dot += q[kvh * GROUP + g][d] * k[d];
-                        scores[kvh * GROUP + g][t] = dot;
-                    }
+                float k[HEAD_DIM];
+                for (int d = 0; d < HEAD_DIM; ++d) k[d] = to_f32(k_rows[t * TOKEN_STRIDE + d]);
+                for (int g = 0; g < GROUP; ++g) {
+                    float dot = 0.0f;
+                    for (int d = 0; d < HEAD_DIM; ++d) dot += q[g][d] * k[d];
+                    scores[g][t] = dot;
                 }
             }
-            for (int h = 0; h < HEADS; ++h) {
-                float block_max = running_max[h];
-                for (int t = 0; t < count; ++t) block_max = fmaxf(block_max, scores[h][t]);
-                const float correction = expf(running_max[h] - block_max);
+            for (int g = 0; g < GROUP; ++g) {
+                float block_max = running_max[g];
+                for (int t = 0; t < count; ++t) block_max = fmaxf(block_max, scores[g][t]);
+                const float correction = expf(running_max[g] - block_max);
                 float block_sum = 0.0f;
                 for (int t = 0; t < count; ++t) {
-                    scores[h][t] = expf(scores[h][t] - block_max);
-                    block_sum += scores[h][t];
+                    scores[g][t] = expf(scores[g][t] - block_max);
+                    block_sum += scores[g][t];
                 }
-                running_sum[h] = running_sum[h] * correction + block_sum;
-                running_max[h] = block_max;
-                for (int d = 0; d < HEAD_DIM; ++d) acc[h][d] *= correction;
+                running_sum[g] = running_sum[g] * correction + block_sum;
+                running_max[g] = block_max;
+                for (int d = 0; d < HEAD_DIM; ++d) acc[g][d] *= correction;
             }
             for (int t = 0; t < count; ++t) {
-                for (int kvh = 0; kvh < KV_HEADS; ++kvh) {
-                    float v[HEAD_DIM];
-                    for (int d = 0; d < HEAD_DIM; ++d) v[d] = to_f32(v_rows[t * TOKEN_STRIDE + kvh * HEAD_DIM + d]);
-                    for (int g = 0; g < GROUP; ++g) {
-                        const float p = scores[kvh * GROUP + g][t];
-                        for (int d = 0; d < HEAD_DIM; ++d) acc[kvh * GROUP + g][d] += p * v[d];
-                    }
+                float v[HEAD_DIM];
+                for (int d = 0; d < HEAD_DIM; ++d) v[d] = to_f32(v_rows[t * TOKEN_STRIDE + d]);
+                for (int g = 0; g < GROUP; ++g) {
+                    const float p = scores[g][t];
+                    for (int d = 0; d < HEAD_DIM; ++d) acc[g][d] += p * v[d];
                 }
             }
         }
-        for (int h = 0; h < HEADS; ++h) {
-            elem_t *out_row = out + row * out_stride_tok + h * out_stride_head;
-            const float inv = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
-            for (int d = 0; d < HEAD_DIM; ++d) out_row[d] = from_f32(acc[h][d] * inv);
+        for (int g = 0; g < GROUP; ++g) {
+            elem_t *out_row = out + row * out_stride_tok + (kvh * GROUP + g) * out_stride_head;
+            const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
+            for (int d = 0; d < HEAD_DIM; ++d) out_row[d] = from_f32(acc[g][d] * inv);
         }
     }
 }

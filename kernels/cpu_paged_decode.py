@@ -23,8 +23,8 @@ import torch
 from kvpilot.kernels.cpu_build import DTYPE_CODES, KernelBuildError, load_library
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-# The kernel keeps per-item scratch on the stack of an OpenMP thread: [num_heads, head_dim] floats
-# twice and [num_heads, block_size] once, a few hundred KiB at most with these limits.
+# The kernel keeps per-item scratch on the stack of an OpenMP thread: [query heads per KV head,
+# head_dim] floats twice and [query heads per KV head, block_size] once, a few hundred KiB at most.
 MAX_HEAD_DIM = 256
 MAX_HEAD_ELEMENTS = 32768  # num_heads * head_dim
 MAX_BLOCK_SIZE = 128
