@@ -50,7 +50,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     attention_backend: str = "auto"
-    enforce_eager: bool = False  # True disables CUDA graphs
+    enforce_eager: bool = False  # True disables CUDA graphs and the one-call CPU decode path (engine/cpu_decode.py)
     quantization: str = "auto"  # one of QUANTIZATION_METHODS (docs/quantization.md)
     speculative_config: SpeculativeConfig | None = None  # None: one token per sequence per step
     # LoRA adapters (engine/lora/): how many sit in the model at once, and the largest rank one may have.

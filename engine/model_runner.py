@@ -34,6 +34,7 @@ from kvpilot.engine.spec_decode.rejection_sampler import rejection_sample
 from kvpilot.engine.structured_outputs import start_bitmask
 
 if TYPE_CHECKING:
+    from kvpilot.engine.cpu_decode import CpuDecodePath
     from kvpilot.engine.cuda_graphs import DecodeCudaGraphs
     from kvpilot.engine.lora.manager import LoRAManager
 
@@ -80,6 +81,7 @@ class ModelRunner:
         self.sampler = sampler
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: DecodeCudaGraphs | None = None  # set by enable_cuda_graphs on CUDA
+        self.cpu_decode: CpuDecodePath | None = None  # set by enable_cpu_decode_path on the CPU
         # Host seconds in the model forward and LM head, summed over steps (on CUDA the
         # sampler's copy of the sampled ids to the host waits for the forward; on CPU it is exact).
         self.forward_seconds = 0.0
@@ -137,6 +139,15 @@ class ModelRunner:
             token_ids[i] = tokens
         return StepResult(requests, token_ids, logprobs, num_drafts, inputs)
 
+    def enable_cpu_decode_path(self) -> bool:
+        """Run decode-only steps in one C call where the model allows it (after allocate_kv_cache;
+        not with LoRA adapters, whose rows change per step); returns whether it does."""
+        from kvpilot.engine.cpu_decode import CpuDecodePath
+
+        if self.lora is None and getattr(self.backend, "decode_kernel", False):
+            self.cpu_decode = CpuDecodePath.for_model(self.model, self.kv_caches)
+        return self.cpu_decode is not None
+
     def enable_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode batches of up to max_num_seqs sequences (after allocate_kv_cache)."""
         from kvpilot.engine.cuda_graphs import DecodeCudaGraphs
@@ -156,6 +167,8 @@ class ModelRunner:
         graphs = self.cuda_graphs
         if graphs is not None and inputs.is_decode_only and graphs.can_run(inputs.metadata):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        if self.cpu_decode is not None and inputs.is_decode_only:
+            return self.cpu_decode.run(inputs.input_ids, inputs.positions, inputs.metadata)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend,
                           inputs.lora)
 

@@ -99,6 +99,8 @@ def start(config: EngineConfig) -> tuple[EngineConfig, ResolvedConfig, ModelArch
     if device == "cuda" and not config.enforce_eager and backend_name == "triton" and lora is None:
         # Decode batches grow to max_num_seqs; a live increase beyond it runs eagerly.
         runner.enable_cuda_graphs(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
+    if device == "cpu" and not config.enforce_eager and runner.enable_cpu_decode_path():
+        logger.info("decode steps run every layer in one C call (engine/cpu_decode.py; --enforce-eager: layer by layer)")
     resolved = ResolvedConfig(
         device=device,
         dtype=dtype,

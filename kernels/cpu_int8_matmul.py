@@ -87,15 +87,15 @@ class Kernel(NamedTuple):
 class Int8Kernel:
     """An interleaved weight bound to its kernel: a callable [M, K] dtype -> [M, N] dtype."""
 
-    __slots__ = ("_function", "_tensors", "_pointers", "_bf16", "dtype", "n", "k")
+    __slots__ = ("function", "_tensors", "pointers", "_bf16", "dtype", "n", "k")
 
     def __init__(self, kernel: Kernel, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"the int8-activation kernel takes float32 or bfloat16 x, not {dtype}")
-        self._function = kernel.function
+        self.function = kernel.function
         self._tensors = (codes, scales, offsets)  # held: the kernel reads them through raw pointers
-        self._pointers = tuple(None if t is None else t.data_ptr() for t in self._tensors)
+        self.pointers = tuple(None if t is None else t.data_ptr() for t in self._tensors)  # codes, scales, offsets
         self._bf16 = int(dtype == torch.bfloat16)
         self.dtype = dtype
         self.n = codes.shape[0] * FEATURE_TILE
@@ -108,7 +108,7 @@ class Int8Kernel:
                              f"{x.device}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=self.dtype)
-        if self._function(x.data_ptr(), *self._pointers, out.data_ptr(), x.shape[0], self.n, self.k, self._bf16):
+        if self.function(x.data_ptr(), *self.pointers, out.data_ptr(), x.shape[0], self.n, self.k, self._bf16):
             raise MemoryError(f"no memory for {x.shape[0]} x {self.k} activations quantized to int8")
         return out
 

@@ -132,6 +132,20 @@ def tiny_model_dirs(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def awq_model_dirs(tiny_model_dirs, tmp_path_factory) -> dict:
+    """arch -> AWQ copy (4 bits, group size 32) of the tiny model, written by `kvpilot quantize`'s
+    writer once per session (qwen2: q/k/v biases and a tied head; its intermediate size, 352, takes
+    group size 32)."""
+    from kvpilot.engine.awq_writer import quantize_model
+
+    dirs = {}
+    for arch, source in tiny_model_dirs.items():
+        dirs[arch] = tmp_path_factory.mktemp(f"awq_{arch}")
+        quantize_model(source, dirs[arch], group_size=32)
+    return dirs
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tiny_model_dirs):
     """Folder of the generated `tiny` Llama model."""
     return tiny_model_dirs["llama"]

@@ -154,15 +154,21 @@ class CausalLM(nn.Module):
         lora: LoRAMapping | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         hidden = self.embed_tokens.embedding(input_ids)  # [num_tokens, hidden_size]
-        angles = positions.float()[:, None] * self.rope_inv_freq[None, :]  # [num_tokens, head_dim // 2]
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        cos = angles.cos().to(hidden.dtype)
-        signed_sin = angles.sin().to(hidden.dtype)
-        signed_sin[..., : self.arch.head_dim // 2].neg_()
+        cos, signed_sin = self.rope_tables(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, signed_sin, kv_cache, metadata, backend, lora)
         return add_rms_norm(hidden, residual, self.norm, self.arch.rms_norm_eps)[0]
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) [num_tokens, 1, head_dim] in dtype for positions [num_tokens]: the angles'
+        halves repeated, sin's first half negated (apply_rope's tables)."""
+        angles = positions.float()[:, None] * self.rope_inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [num_tokens, 1, head_dim]
+        cos = angles.cos().to(dtype)
+        signed_sin = angles.sin().to(dtype)
+        signed_sin[..., : self.arch.head_dim // 2].neg_()
+        return cos, signed_sin
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32."""

@@ -56,6 +56,12 @@ class QuantizedLinear(Linear):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
 
+    @property
+    def int8_kernel(self) -> cpu_int8_matmul.Int8Kernel | None:
+        """The int8-activation kernel bound to this weight once repacked (w4a8/w8a8), else None."""
+        kernel = self._cpu_matmul
+        return kernel if isinstance(kernel, cpu_int8_matmul.Int8Kernel) else None
+
     def pack_for_cpu(self, batch_size_hint: int, *, embedding: bool = False) -> bool:
         return self.repack_for_cpu(embedding=embedding) != "kvpilot"
 

@@ -138,7 +138,7 @@ SERVE_FLAGS = (
     Flag("quantization", "weights kept quantized: auto (what the checkpoint holds: AWQ folders stay 4-bit, GGUF "
          "Q4_0/Q4_1/Q8_0 stay packed), awq, gguf, or none (dequantize at load); default auto",
          choices=("auto", "awq", "gguf", "none")),
-    Flag("enforce_eager", "disable CUDA graphs", boolean=True),
+    Flag("enforce_eager", "run every step layer by layer: no CUDA graphs, no one-call CPU decode path", boolean=True),
     Flag("enable_prefix_caching", "reuse KV blocks of shared prompt prefixes (default on)", boolean=True),
     Flag("enable_chunked_prefill", "split long prompts across steps (default on)", boolean=True),
     Flag("seed", "engine random seed (default 0)", type=int),

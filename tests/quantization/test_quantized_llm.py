@@ -12,7 +12,6 @@ import torch
 
 from kvpilot.cli import main as kvpilot_main
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.awq_writer import quantize_model
 from kvpilot.engine.config import ConfigError
 from kvpilot.engine.linear import DenseLinear
 from kvpilot.engine.models import ModelLoadError, load_model
@@ -26,13 +25,9 @@ MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PROMPTS = [[1, 17, 230, 5, 99], [1, 400, 401, 402], [1, 7] * 9, [1, 1000, 3, 250, 12, 800, 90]]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def awq_dir(request, tiny_model_dirs, tmp_path_factory):
-    """AWQ copy of the tiny model (qwen2: q/k/v biases and a tied head); its intermediate size, 352,
-    takes group size 32."""
-    out = tmp_path_factory.mktemp(f"awq_{request.param}")
-    quantize_model(tiny_model_dirs[request.param], out, group_size=32)
-    return out
+@pytest.fixture(params=["llama", "qwen2"])
+def awq_dir(request, awq_model_dirs):
+    return awq_model_dirs[request.param]
 
 
 def test_quantize_writes_an_awq_checkpoint(awq_dir):
