@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -50,17 +51,21 @@ def start(config: EngineConfig) -> tuple[EngineConfig, ResolvedConfig, ModelArch
 
     torch.manual_seed(config.seed)
     started = time.perf_counter()
-    model = load_model(config.model, TORCH_DTYPES[dtype], torch.device(device), config.quantization)
-    lora = None
-    if config.enable_lora:  # before packing: the adapters' stacked matrices are packed with the base weights
-        lora = LoRAManager(model, max_loras=config.max_loras, max_rank=config.max_lora_rank)
-    if device == "cpu":
-        model.pack_weights_for_cpu(batch_size_hint=config.max_num_seqs)
-    draft_model = None
-    if config.speculative_config is not None and config.speculative_config.method == "draft_model":
-        draft_model = _load_draft_model(config, arch, TORCH_DTYPES[dtype], device, max_model_len)
-    weights_loaded = time.perf_counter()
-    tokenizer = load_tokenizer(config.model)
+    # The tokenizer is built beside the weights: a GGUF file's takes seconds of parsing the first
+    # time (no cache yet, as in a new pod) while the weights' kernel builds wait on the compiler.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        tokenizer_loading = pool.submit(load_tokenizer, config.model)
+        model = load_model(config.model, TORCH_DTYPES[dtype], torch.device(device), config.quantization)
+        lora = None
+        if config.enable_lora:  # before packing: the adapters' stacked matrices are packed with the base weights
+            lora = LoRAManager(model, max_loras=config.max_loras, max_rank=config.max_lora_rank)
+        if device == "cpu":
+            model.pack_weights_for_cpu(batch_size_hint=config.max_num_seqs)
+        draft_model = None
+        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+            draft_model = _load_draft_model(config, arch, TORCH_DTYPES[dtype], device, max_model_len)
+        weights_loaded = time.perf_counter()
+        tokenizer = tokenizer_loading.result()
     tokenizer_loaded = time.perf_counter()
     runner = ModelRunner(
         model,
@@ -112,7 +117,8 @@ def start(config: EngineConfig) -> tuple[EngineConfig, ResolvedConfig, ModelArch
     )
     logger.info(
         "engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d; weights loaded "
-        "in %.1f s, tokenizer in %.1f s, KV cache sized (profiling forward, warm-up) in %.1f s",
+        "in %.1f s, the tokenizer (built beside them) %.1f s later, KV cache sized (profiling forward, warm-up) "
+        "in %.1f s",
         arch.architecture, device, dtype, num_blocks, config.block_size,
         num_blocks * block_bytes / 1024**2, max_model_len, weights_loaded - started,
         tokenizer_loaded - weights_loaded, time.perf_counter() - tokenizer_loaded,

@@ -39,12 +39,9 @@ class QuantizedLinear(Linear):
         # Where the codes are laid out: "kvpilot" (kvpilot.kernels.quant_layout), or after
         # repack_for_cpu "w4a8"/"w8a8" (kvpilot.kernels.cpu_int8_matmul) or "torch-int4".
         self.layout = "kvpilot"
-        # The CPU kernel bound to these buffers once (checks and build paid at load, not per call).
+        # The CPU kernel bound to these buffers once: kvpilot's layout's on first use (a weight
+        # repacked for a faster kernel at load never builds it), the repacked layout's by repack_for_cpu.
         self._cpu_matmul = None
-        if device.type == "cpu" and cpu_quant_matmul.usable(torch.empty(0, dtype=dtype), bits=self.bits,
-                                                            group_size=self.group_size):
-            self._cpu_matmul = cpu_quant_matmul.bind(self.codes, self.scales, self.offsets, bits=self.bits,
-                                                     group_size=self.group_size, dtype=dtype)
 
     @property
     def packed(self) -> PackedWeight:
@@ -114,7 +111,7 @@ class QuantizedLinear(Linear):
         flat = x.reshape(-1, self.in_features)
         if self.layout != "kvpilot":  # repacked for a CPU kernel, which takes the layer's dtype
             out = self._cpu_matmul(flat.to(self.dtype).contiguous())
-        elif self._cpu_matmul is not None and flat.dtype == self.dtype:
+        elif flat.dtype == self.dtype and self._bind_kvpilot_cpu_kernel():
             out = self._cpu_matmul(flat)
         elif flat.device.type == "cuda":
             from kvpilot.kernels.quant_matmul import quant_matmul  # Triton: imported only where it runs
@@ -125,6 +122,14 @@ class QuantizedLinear(Linear):
             out = quant_matmul_reference(flat, self.codes, self.scales, self.offsets, bits=self.bits,
                                          group_size=self.group_size)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _bind_kvpilot_cpu_kernel(self) -> bool:
+        """Whether kvpilot's CPU kernel takes this (kvpilot-layout) weight, binding it the first time."""
+        if self._cpu_matmul is None and self.codes.device.type == "cpu" and cpu_quant_matmul.usable(
+                torch.empty(0, dtype=self.dtype), bits=self.bits, group_size=self.group_size):
+            self._cpu_matmul = cpu_quant_matmul.bind(self.codes, self.scales, self.offsets, bits=self.bits,
+                                                     group_size=self.group_size, dtype=self.dtype)
+        return self._cpu_matmul is not None
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, in_features]: rows of the table
         if self.layout in ("w4a8", "w8a8"):
