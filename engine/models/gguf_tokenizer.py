@@ -27,7 +27,7 @@ CACHED_TOKENIZERS = 16  # the newest this many files' tokenizers are kept
 def load_gguf_tokenizer(path: str | Path):
     """A transformers fast tokenizer built from the GGUF file's ``tokenizer.*`` metadata.
 
-    Building it takes seconds (transformers parses the file and converts the vocabulary); the result
+    Building it takes most of a second (transformers converts the vocabulary); the result
     is saved in ``$KVPILOT_TOKENIZER_CACHE`` (default ``$KVPILOT_CACHE/tokenizers``), keyed by the
     file and the transformers version, so a later start of the same file loads it in a fraction of
     that."""
@@ -42,12 +42,11 @@ def load_gguf_tokenizer(path: str | Path):
             return AutoTokenizer.from_pretrained(cached, local_files_only=True)
         except (OSError, ValueError) as exc:  # a cache entry cut short (a full disk): built again below
             logger.info("tokenizer cache %s unusable (%s); building from the GGUF file", cached, exc)
+    gguf_file = GGUFFile(path)
     try:
-        tokenizer = _from_the_file_alone(path)
+        tokenizer = _from_the_file_alone(path, gguf_file.architecture)
     except Exception as exc:  # transformers' GGUF reader raises anything on a bad file
-        # Parsing the file is slow (seconds for a large vocabulary), so it is done only now, to say
-        # which part of the file is at fault: truncation, a missing key, an unknown tokenizer type.
-        gguf_file = GGUFFile(path)
+        # Say which part of the file is at fault: a missing key, an unknown tokenizer type.
         tokenizer_type = gguf_file.require("tokenizer.ggml.model", str)
         gguf_file.require("tokenizer.ggml.tokens", list)
         raise ModelLoadError(
@@ -84,12 +83,25 @@ def _save(tokenizer, folder: Path) -> None:
         logger.info("tokenizer not cached in %s: %s", folder, exc)
 
 
-def _from_the_file_alone(path: Path):
+def _from_the_file_alone(path: Path, architecture: str):
     """transformers' tokenizer from the GGUF file, seeing no other file: given the file's own
     folder, AutoTokenizer would prefer a tokenizer.json or tokenizer_config.json lying beside it
     (a GGUF dropped into a Hugging Face folder would get that folder's tokenizer)."""
-    from transformers import AutoTokenizer
-
     with tempfile.TemporaryDirectory(prefix="kvpilot-gguf-") as alone:
         os.symlink(path.resolve(), os.path.join(alone, path.name))
-        return AutoTokenizer.from_pretrained(alone, gguf_file=path.name, local_files_only=True)
+        return _tokenizer_class(architecture).from_pretrained(alone, gguf_file=path.name, local_files_only=True)
+
+
+def _tokenizer_class(architecture: str):
+    """The class AutoTokenizer gives a GGUF file of this ``general.architecture``, without its read of
+    the file: to learn the model type, AutoTokenizer parses the whole header with the gguf package's
+    reader (3-4 s of SmolLM2's build, for its 49k-token vocabulary, on 2 cores; the rest: under a second). A GGUF file
+    names no tokenizer class, so AutoTokenizer takes the one transformers registers for the model
+    type's config, else TokenizersBackend (llama, and mistral, which llama.cpp writes as "llama"),
+    and TokenizersBackend for a MistralCommonBackend without Mistral's own files;
+    tests/engine/test_gguf.py checks that this is the class and the tokenizer AutoTokenizer builds."""
+    from transformers import AutoConfig, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    chosen = TOKENIZER_MAPPING.get(type(AutoConfig.for_model(architecture)), TokenizersBackend)
+    return TokenizersBackend if chosen.__name__ == "MistralCommonBackend" else chosen

@@ -257,6 +257,26 @@ def test_gguf_tokenizer_and_chat_template(tiny_model_dirs, tiny_ggufs):
     )
 
 
+@pytest.mark.parametrize("arch", MODEL_ARCHS)
+def test_gguf_tokenizer_is_the_one_autotokenizer_builds(arch, tiny_ggufs, tmp_path, monkeypatch):
+    """kvpilot picks the tokenizer class from its own read of the file instead of AutoTokenizer's
+    slow one: the same class, vocabulary, pre-tokenizer, special tokens and chat template."""
+    from transformers import AutoTokenizer
+
+    from kvpilot.engine.models import gguf_tokenizer
+
+    monkeypatch.setenv(gguf_tokenizer.TOKENIZER_CACHE_ENV, str(tmp_path))  # built, not loaded from a cache
+    ours = load_tokenizer(tiny_ggufs[arch])
+    theirs = AutoTokenizer.from_pretrained(tiny_ggufs[arch].parent, gguf_file=tiny_ggufs[arch].name,
+                                           local_files_only=True)
+    assert type(ours) is type(theirs)
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    assert ours.chat_template == theirs.chat_template
+    text = "Hello world, the capital of France is Paris.<|im_end|> 12345"
+    assert ours(text).input_ids == theirs(text).input_ids
+
+
 def test_a_gguf_tokenizer_is_built_once_then_loaded_from_the_cache(tiny_ggufs, tmp_path, monkeypatch):
     from kvpilot.engine.models import gguf_tokenizer
 
@@ -264,7 +284,7 @@ def test_a_gguf_tokenizer_is_built_once_then_loaded_from_the_cache(tiny_ggufs, t
     built = load_tokenizer(tiny_ggufs["qwen2"])
     assert [f.name for f in (tmp_path / "cache").iterdir()] and not any((tmp_path / "cache").glob(".*"))
 
-    def no_build(path):
+    def no_build(path, architecture):
         raise AssertionError(f"built {path} again instead of loading the cache")
 
     monkeypatch.setattr(gguf_tokenizer, "_from_the_file_alone", no_build)
