@@ -157,13 +157,13 @@ def test_smollm2_gguf_in_float32_through_the_int8_kernel_stays_close(smollm2_ggu
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
     print(f"logits off by {error:.4f} (relative norm), {agree:.1%} of next-token argmaxes the same; "
           f"perplexity {ppl['int8']:.4f} vs {ppl['dequantized']:.4f}")
-    # Measured on an AVX2 EPYC: logits 6.6 % off, 92.7 % of the argmaxes the same, perplexity +2.8 %
-    # (25.69 -> 26.41), nearly all from q/k/v and gate/up, whose input (the RMSNorm's output) has a
-    # few outlier channels that coarsen their run's 8-bit steps. The bounds leave a little room for
-    # other machines' kernels; a wrong layout or route gives perplexities in the thousands.
-    assert error < 0.1
+    # Measured on a Sapphire Rapids Xeon: logits 3.0 % off, perplexity +0.4 % (25.69 -> 25.79) on the
+    # AVX-512 VNNI build, +0.6 % on the AVX2 one. Before the offsets' share took the rounded x's sum
+    # (cpu_int8_matmul.c): 6.2 % and +4.0 % there, 6.6 % and +2.8 % on an AVX2 EPYC. A wrong layout
+    # or route gives perplexities in the thousands.
+    assert error < 0.05
     assert agree > 0.85
-    assert ppl["int8"] == pytest.approx(ppl["dequantized"], rel=0.04)
+    assert ppl["int8"] == pytest.approx(ppl["dequantized"], rel=0.02)
 
 
 def test_awq_checkpoint_is_refused_as_gguf_and_plain_folders_as_awq(awq_dir, tiny_model_dir):
