@@ -82,7 +82,7 @@ fi
 step "Asking SmolLM2 a question (OpenAI chat API, through the gateway at the service's status.url)"
 URL="$(kubectl get kvis demo -o jsonpath='{.status.url}')"
 echo "status.url: $URL"
-QUESTION="What is the capital of France?"
+QUESTION="What is the capital of France? Answer in one sentence."
 echo "Q: $QUESTION"
 curl -sS --fail-with-body "$URL/chat/completions" -H 'Content-Type: application/json' \
     -d "{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"$QUESTION\"}], \"temperature\": 0, \"max_tokens\": 64}" \

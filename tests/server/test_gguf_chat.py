@@ -6,7 +6,10 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# Asked bare, the first token is a near-tie (float32, dequantized: "The" 25.33, "L" 25.24, "La"
+# 24.94), which x rounded to 8 bits (the int8-activation kernel, the default on AVX2 and AVX-512 CPUs)
+# tips to "L'Étoile, ..." on some CPUs; asked for one sentence, every path says Paris.
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 @pytest.fixture(scope="module")
