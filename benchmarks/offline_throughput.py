@@ -17,7 +17,9 @@ tokens count.
 Every run is a fresh process (offline_worker.py) with ``--threads`` threads: nothing cached,
 compiled or warmed in one run helps the next, and no system reuses another's work. The systems
 take turns (the order rotates each round), ``--repeat`` rounds; every run is printed, and each
-system's median is reported with its min-max, with the ratios of medians.
+system's median is reported with its min-max, with the ratios of medians. ``--vllm-model`` gives
+vLLM and transformers their own copy of the model where they cannot read ``--model``: for the
+demo's GGUF (kvpilot keeps its weights packed), ``smollm2``, the same weights dequantized to bfloat16.
 
     python benchmarks/offline_throughput.py --vllm-python ~/.cache/kvpilot/vllm-cpu/bin/python
     python benchmarks/offline_throughput.py --quick      # a smoke run, not a measurement
@@ -44,6 +46,9 @@ KV_CACHE_GIB = 2  # every system's KV cache space
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small", help="`small` (default): the generated preset; `smollm2`: SmolLM2-135M-Instruct; or a folder")
+    parser.add_argument("--vllm-model", default=None,
+                        help="the model vLLM and transformers load, when they cannot read --model (a GGUF file: "
+                        "`smollm2` is the demo's file dequantized to a bfloat16 folder); default: --model")
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="24 requests, one round, no sweep: a smoke run")
     parser.add_argument("--seed", type=int, default=0)
@@ -73,10 +78,10 @@ def make_workload(model: Path, num_requests: int, seed: int) -> dict:
     return {"model": str(model), "prompts": prompts, "output_lens": [rng.randint(16, 256) for _ in prompts]}
 
 
-def run_once(system: str, workload_path: Path, args: argparse.Namespace, **options: int) -> dict:
+def run_once(system: str, workloads: dict[str, Path], args: argparse.Namespace, **options: int) -> dict:
     python = str(args.vllm_python) if system == "vllm" else sys.executable
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
-        command = [python, str(WORKER), system, str(workload_path), result.name, "--threads", str(args.threads),
+        command = [python, str(WORKER), system, str(workloads[system]), result.name, "--threads", str(args.threads),
                    "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-gib", str(KV_CACHE_GIB)]
         for name, value in options.items():
             command += [f"--{name.replace('_', '-')}", str(value)]
@@ -102,13 +107,17 @@ def describe(system: str, run: dict) -> str:
 def main() -> None:
     args = parse_args()
     model = benchmark_model(args.model, args.seed)
+    peer_model = model if args.vllm_model is None else benchmark_model(args.vllm_model, args.seed)
     workload = make_workload(model, args.num_requests, args.seed)
-    print(f"model {model}, bfloat16, CPU, {args.threads} threads for every system; {args.num_requests} requests, "
+    print(f"model {model}" + (f" (vLLM, transformers: {peer_model})" if peer_model != model else "")
+          + f", bfloat16, CPU, {args.threads} threads for every system; {args.num_requests} requests, "
           f"{sum(map(len, workload['prompts']))} prompt tokens, {sum(workload['output_lens'])} output tokens",
           flush=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(workload, handle)
-    workload_path = Path(handle.name)
+    workloads = {}
+    for system, system_model in (("kvpilot", model), ("vllm", peer_model), ("hf", peer_model)):
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+            json.dump(workload | {"model": str(system_model)}, handle)
+        workloads[system] = Path(handle.name)
 
     options: dict[str, dict[str, int]] = {"kvpilot": {"block_size": args.kvpilot_block_size}}
     if args.vllm_python is not None:
@@ -117,7 +126,7 @@ def main() -> None:
     if not args.skip_hf:
         print("transformers batch-size sweep (one pass each):", flush=True)
         for size in args.hf_batch_sizes:
-            sweep[size] = run_once("hf", workload_path, args, hf_batch_size=size)
+            sweep[size] = run_once("hf", workloads, args, hf_batch_size=size)
             print(f"  batch {size:4d}: {describe('hf', sweep[size])}", flush=True)
         best_size = max(sweep, key=lambda s: sweep[s]["output_tokens_per_s"])
         options["hf"] = {"hf_batch_size": best_size}
@@ -128,9 +137,10 @@ def main() -> None:
     for round_ in range(args.repeat):
         order = systems[round_ % len(systems):] + systems[: round_ % len(systems)]
         for system in order:
-            runs[system].append(run_once(system, workload_path, args, **options[system]))
+            runs[system].append(run_once(system, workloads, args, **options[system]))
             print(f"round {round_ + 1}: {system:8s} {describe(system, runs[system][-1])}", flush=True)
-    workload_path.unlink()
+    for path in workloads.values():
+        path.unlink()
 
     medians = {s: statistics.median(r["output_tokens_per_s"] for r in runs[s]) for s in systems}
     print(f"\nmedian output tok/s over {args.repeat} run(s) each (min-max):")
