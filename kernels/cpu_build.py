@@ -1,4 +1,4 @@
-"""Builds the CPU C kernels (cpu_paged_decode.c, cpu_fused_ops.c) on first use, and caches them.
+"""Builds the CPU C kernels (kernels/cpu_*.c) on first use, and caches them.
 
 A kernel is compiled with the system C compiler (``$CC``, default ``gcc``) for this machine's
 CPU (``-march=native``, less any feature ``KVPILOT_CPU_FEATURES`` removes: cpu_features.py), with its shape constants as ``-D`` defines, and cached under
@@ -6,6 +6,12 @@ CPU (``-march=native``, less any feature ``KVPILOT_CPU_FEATURES`` removes: cpu_f
 file and the headers beside it), the defines, the compiler and the CPU's flags. Its OpenMP calls
 bind to the runtime torch has already loaded (libgomp, or Intel OpenMP under `kvpilot serve`),
 so kernels and torch's own operators share one thread pool and one thread count.
+
+A new pod has no cached kernels, and compiling them one by one where each is first called put
+~1.5 s of gcc (2 cores) on its start's critical path. ``load_in_background`` calls a kernel's (cached) loader
+on one background thread instead, early in the start-up, beside the weights' load; the build of
+a library holds a lock, so a caller that needs it meanwhile waits for that build instead of
+starting a second.
 """
 
 from __future__ import annotations
@@ -15,7 +21,11 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -32,6 +42,24 @@ LIBS = ("-lm",)  # with libmvec: the vectorised expf that -ffast-math loops call
 
 class KernelBuildError(RuntimeError):
     """A C kernel could not be compiled or loaded; the message says what to install or set."""
+
+
+_background = ThreadPoolExecutor(1, thread_name_prefix="kernel-build")  # one gcc at a time beside the caller
+_build_locks: defaultdict[Path, threading.Lock] = defaultdict(threading.Lock)
+_build_locks_lock = threading.Lock()
+
+
+def load_in_background(loader: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Call ``loader`` (a kernel's ``functools.cache``d loader) on the background build thread, so
+    that its first call where the kernel is needed finds it compiled. A failure is left to that
+    call, which builds again and reports it."""
+    _background.submit(loader, *args, **kwargs)
+
+
+def wait_for_background_builds() -> None:
+    """Return when every load asked of ``load_in_background`` so far is done (tests that fake the
+    CPU's features wait, so that no loader of the real features stores its result afterwards)."""
+    _background.submit(lambda: None).result()
 
 
 def load_library(source: Path, defines: dict[str, int]) -> ctypes.CDLL:
@@ -53,19 +81,26 @@ def load_library(source: Path, defines: dict[str, int]) -> ctypes.CDLL:
     ).hexdigest()[:16]
     cache = Path(os.environ.get("KVPILOT_KERNEL_CACHE") or Path.home() / ".cache" / "kvpilot" / "kernels")
     library = cache / f"{source.stem}-{key}.so"
-    if not library.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        # Built under a temporary name and renamed: concurrent engines never load a half-written file.
-        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
-        os.close(fd)
-        obj = tmp[:-3] + ".o"
-        for step in ([compiler, *flags, "-c", "-o", obj, str(source)], [compiler, *LINK_FLAGS, "-o", tmp, obj, *LIBS]):
-            build = subprocess.run(step, capture_output=True, text=True)
-            if build.returncode != 0:
-                for path in (tmp, obj):
-                    Path(path).unlink(missing_ok=True)
-                raise KernelBuildError(f"compiling {source.name} with {compiler} failed:\n{build.stderr.strip()}")
-        os.unlink(obj)
-        os.replace(tmp, library)
+    with _build_locks_lock:
+        build_lock = _build_locks[library]
+    with build_lock:  # another thread of this process building it: wait for that build
+        if not library.is_file():
+            _compile(compiler, flags, source, cache, library)
     return ctypes.CDLL(str(library))
+
+
+def _compile(compiler: str, flags: list[str], source: Path, cache: Path, library: Path) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: concurrent engines never load a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+    os.close(fd)
+    obj = tmp[:-3] + ".o"
+    for step in ([compiler, *flags, "-c", "-o", obj, str(source)], [compiler, *LINK_FLAGS, "-o", tmp, obj, *LIBS]):
+        build = subprocess.run(step, capture_output=True, text=True)
+        if build.returncode != 0:
+            for path in (tmp, obj):
+                Path(path).unlink(missing_ok=True)
+            raise KernelBuildError(f"compiling {source.name} with {compiler} failed:\n{build.stderr.strip()}")
+    os.unlink(obj)
+    os.replace(tmp, library)
 

@@ -4,8 +4,9 @@ For float32 and bfloat16 models with 4- or 8-bit weights: x is quantized to int8
 inputs inside the call and multiplied in integers, with AVX-512 VNNI's VPDPBUSD (64 products an
 instruction) or AVX2's VPMADDUBSW (32), several times the products per instruction of the float32
 or bfloat16 dot products that bound the other kernels at decode batch sizes. The result differs
-from ``quant_matmul_reference`` by the rounding of x to 8 bits (about 1 % relative, like
-llama.cpp's 8-bit activations); tests/kernels/test_quant_matmul.py bounds it.
+from ``quant_matmul_reference`` by the rounding of x to 8 bits (about 0.5 % relative, like
+llama.cpp's 8-bit activations): it is the dequantized weight times the rounded x, to float32
+rounding (tests/kernels/test_quant_matmul.py).
 
 The kernel reads its own layout (``interleave``; cpu_int8_matmul.c's comment), the same for both
 instruction sets; ``rows`` reads output features back in kvpilot's layout (a packed token
@@ -24,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from kvpilot.kernels import cpu_features
-from kvpilot.kernels.cpu_build import KernelBuildError, load_library
+from kvpilot.kernels.cpu_build import KernelBuildError, load_in_background, load_library
 from kvpilot.kernels.cpu_huge_pages import copy_to_huge_pages
 from kvpilot.kernels.quant_layout import CHUNK, check_packed, unpack_codes
 
@@ -34,7 +35,7 @@ FEATURE_TILE = 16  # output features per work item; N must be a multiple
 # 8-bit codes are stored as code + 128: VPDPBUSD's weight operand is unsigned (the AVX2 path undoes it in registers)
 BIAS_8BIT = 128
 DTYPES = (torch.float32, torch.bfloat16)  # of x and out, chosen per call
-__all__ = ["DTYPES", "Int8Kernel", "Kernel", "interleave", "load_kernel", "rows"]
+__all__ = ["DTYPES", "Int8Kernel", "Kernel", "interleave", "load_kernel", "load_kernel_in_background", "rows"]
 
 
 def interleave(
@@ -111,6 +112,13 @@ class Int8Kernel:
         if self.function(x.data_ptr(), *self.pointers, out.data_ptr(), x.shape[0], self.n, self.k, self._bf16):
             raise MemoryError(f"no memory for {x.shape[0]} x {self.k} activations quantized to int8")
         return out
+
+
+@functools.cache
+def load_kernel_in_background(bits: int, group_size: int) -> None:
+    """``load_kernel`` on cpu_build's background thread, once per format: called as weights of this
+    format load, so that packing them finds the kernel compiled (a new pod has none cached)."""
+    load_in_background(load_kernel, bits, group_size)
 
 
 @functools.cache

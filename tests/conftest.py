@@ -58,11 +58,13 @@ def cpu_without(monkeypatch):
     (KVPILOT_CPU_FEATURES's meaning: the C kernels are built again without them), so each CPU path
     runs on any machine that has the features it needs. Returns the faked CpuFeatures."""
     from kvpilot.kernels import cpu_features, cpu_fused_ops, cpu_int8_matmul, cpu_paged_decode, cpu_quant_matmul
+    from kvpilot.kernels.cpu_build import wait_for_background_builds
 
     loaders = (cpu_fused_ops.load_ops, cpu_int8_matmul.load_kernel, cpu_paged_decode.load_kernel,
                cpu_quant_matmul.load_kernel)
 
     def remove(*names: str):
+        wait_for_background_builds()  # a build for the real features would store its kernel after the clear
         features = cpu_features.parse(cpu_features.cpu_flags_line(), ",".join(f"-{name}" for name in names))
         monkeypatch.setattr(cpu_features, "detect", lambda: features)
         for loader in loaders:
@@ -70,6 +72,7 @@ def cpu_without(monkeypatch):
         return features
 
     yield remove
+    wait_for_background_builds()
     for loader in loaders:
         loader.cache_clear()
 

@@ -42,6 +42,8 @@ class QuantizedLinear(Linear):
         # The CPU kernel bound to these buffers once: kvpilot's layout's on first use (a weight
         # repacked for a faster kernel at load never builds it), the repacked layout's by repack_for_cpu.
         self._cpu_matmul = None
+        if self.codes.device.type == "cpu" and dtype in cpu_int8_matmul.DTYPES:  # the kernel repack_for_cpu wants
+            cpu_int8_matmul.load_kernel_in_background(self.bits, self.group_size)
 
     @property
     def packed(self) -> PackedWeight:

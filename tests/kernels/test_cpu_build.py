@@ -1,9 +1,12 @@
-"""The C kernels' build: loading one must not change the process's floating-point behaviour."""
+"""The C kernels' build: loading one must not change the process's floating-point behaviour, and
+one asked for while it builds in the background is built once."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -29,3 +32,28 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     done = subprocess.run([sys.executable, "-P", "-c", LOAD_EVERY_KERNEL], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"]
+
+
+def test_a_kernel_asked_for_while_it_builds_in_the_background_is_built_once(tmp_path, monkeypatch):
+    from kvpilot.kernels import cpu_build
+
+    monkeypatch.setenv("KVPILOT_KERNEL_CACHE", str(tmp_path))  # nothing cached: both calls need the build
+    compiles = []
+    started = threading.Event()
+
+    def slow_compile(*args):  # the real build, slowed so that the second call comes while it runs
+        compiles.append(args[-1])
+        started.set()
+        time.sleep(0.5)
+        real_compile(*args)
+
+    real_compile = cpu_build._compile
+    monkeypatch.setattr(cpu_build, "_compile", slow_compile)
+    defines = {"DTYPE": 0, "KVPILOT_TEST_BUILD": 1}  # a define of its own: a library no other test loads
+    cpu_build.load_in_background(cpu_build.load_library, cpu_fused_ops.SOURCE, defines)
+    assert started.wait(60), "the background build did not start"
+    try:
+        library = load_library(cpu_fused_ops.SOURCE, defines)
+    except KernelBuildError as exc:
+        pytest.skip(f"no C compiler: {exc}")
+    assert library.kvpilot_add_rms_norm and len(compiles) == 1
