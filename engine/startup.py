@@ -28,6 +28,7 @@ from kvpilot.engine.config import (
 from kvpilot.engine.lora.manager import LoRAManager
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.models import CausalLM, ModelArch, load_model, load_tokenizer, read_model_arch, saved_dtype
+from kvpilot.engine.quantization.linear import QuantizedLinear
 from kvpilot.engine.sampler import Sampler, SamplingInput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.kernels import cpu_decode_layers, cpu_features, cpu_fused_ops, cpu_paged_decode
@@ -58,7 +59,7 @@ def start(config: EngineConfig) -> tuple[EngineConfig, ResolvedConfig, ModelArch
         tokenizer_loading = pool.submit(load_tokenizer, config.model)
         model = load_model(config.model, TORCH_DTYPES[dtype], torch.device(device), config.quantization)
         if device == "cpu":  # behind the packed weights' kernels, which packing needs first
-            _build_cpu_kernels_in_background(config, arch, TORCH_DTYPES[dtype])
+            _build_cpu_kernels_in_background(config, model)
         lora = None
         if config.enable_lora:  # before packing: the adapters' stacked matrices are packed with the base weights
             lora = LoRAManager(model, max_loras=config.max_loras, max_rank=config.max_lora_rank)
@@ -129,17 +130,19 @@ def start(config: EngineConfig) -> tuple[EngineConfig, ResolvedConfig, ModelArch
     return config, resolved, arch, tokenizer, runner, draft_model
 
 
-def _build_cpu_kernels_in_background(config: EngineConfig, arch: ModelArch, dtype: torch.dtype) -> None:
-    """The CPU kernels every step calls, compiled beside the weights' load (a new pod has none
-    cached; kernels/cpu_build.py): the fused norms and activations, decode attention and, unless
-    --enforce-eager or LoRA rule it out, the one-call decode (a model without int8-kernel weights
-    builds it for nothing, once per kernel cache). A packed weight's matmul kernel is started as the
-    weight loads (QuantizedLinear)."""
+def _build_cpu_kernels_in_background(config: EngineConfig, model: CausalLM) -> None:
+    """The CPU kernels every step calls, compiled while the weights are packed (a new pod has none
+    cached; kernels/cpu_build.py): the fused norms and activations, decode attention and, for a
+    model whose projections are all packed and unless --enforce-eager or LoRA rule it out, the
+    one-call decode. A packed weight's matmul kernel was started as the weight loaded
+    (QuantizedLinear)."""
+    arch, dtype = model.arch, model.dtype
     load_in_background(cpu_fused_ops.load_ops, dtype)
     shape = {"head_dim": arch.head_dim, "num_kv_heads": arch.num_kv_heads, "block_size": config.block_size}
     if cpu_paged_decode.supports(dtype=dtype, num_heads=arch.num_heads, **shape):
         load_in_background(cpu_paged_decode.load_kernel, dtype, group=arch.num_heads // arch.num_kv_heads, **shape)
-    if not config.enforce_eager and not config.enable_lora:
+    packed = all(isinstance(p, QuantizedLinear) for layer in model.layers for p in layer.projections())
+    if packed and not config.enforce_eager and not config.enable_lora:
         load_in_background(cpu_decode_layers.load_kernel, dtype)
 
 
