@@ -615,13 +615,26 @@ def spread(values: list[float | None], fmt: str) -> str:
     return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
 
 
-def ratios(runs: list[Run]) -> dict:
-    out = {"tuned_over_best_static": [], "best_static": [], "tuned_over_default": []}
+def ratios(runs: list[Run], phases: list[Phase]) -> dict:
+    """Per repeat: tuned over the best static and over the defaults; and the most any max_num_seqs fixed
+    per phase could have made, over the best one fixed for the day (``per_phase_best_over_best_fixed``:
+    each phase's best fixed setting, the defaults' 64 included, chosen in hindsight; a ceiling for what
+    moving max_num_seqs between phases can win on this trace, up to backlogs carried across phases)."""
+    out = {"tuned_over_best_static": [], "best_static": [], "tuned_over_default": [],
+           "per_phase_best_over_best_fixed": [], "per_phase_best": []}
     for repeat in sorted({r.repeat for r in runs}):
         mine = {r.system: r for r in runs if r.repeat == repeat}
         statics = [r for name, r in mine.items() if name.startswith("static-")]
         best = max(statics, key=lambda r: r.day.goodput, default=None)
         tuned, default = mine.get("tuned"), mine.get("default")
+        fixed = [r for name, r in mine.items() if name != "tuned"]
+        if len(fixed) > 1:
+            picks = [max(fixed, key=lambda r: r.phases[i].goodput) for i in range(len(phases))]
+            switching = sum(r.phases[i].goodput * (p.end - p.start)
+                            for i, (r, p) in enumerate(zip(picks, phases))) / phases[-1].end
+            best_fixed = max(r.day.goodput for r in fixed)
+            out["per_phase_best"].append([r.system for r in picks])
+            out["per_phase_best_over_best_fixed"].append(round(switching / best_fixed, 3) if best_fixed else None)
         if tuned is None:
             continue
         out["best_static"].append(best.system if best else None)
@@ -644,11 +657,14 @@ def report(runs: list[Run], phases: list[Phase], systems: list[str]) -> dict:
             print(f"    {system:10s} goodput {of('goodput', '.1f')} tok/s, within SLO {of('within_slo', '.0%')}, "
                   f"throughput {of('throughput', '.1f')}, TPOT P99 {of('tpot_p99', '.0f', 1000)} ms, "
                   f"TTFT P99 {of('ttft_p99', '.1f')} s, preemptions {of('preemptions', '.0f')}")
-    found = ratios(runs)
+    found = ratios(runs, phases)
     print(f"  tuned goodput / best static's (chosen over the day, same repeat; {found['best_static']}): "
           f"{spread(found['tuned_over_best_static'], '.2f')}, per repeat {found['tuned_over_best_static']}")
     print(f"  tuned goodput / the defaults': {spread(found['tuned_over_default'], '.2f')}, "
           f"per repeat {found['tuned_over_default']}")
+    print(f"  each phase's best fixed setting ({found['per_phase_best']}) / the best one for the whole day, in "
+          f"hindsight: {spread(found['per_phase_best_over_best_fixed'], '.2f')}, per repeat "
+          f"{found['per_phase_best_over_best_fixed']} (what switching max_num_seqs between phases could win)")
     tuned = [r for r in runs if r.system == "tuned"]
     for i, phase in enumerate(phases):
         shares = [r.goal_shares[i] for r in tuned]

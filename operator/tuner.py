@@ -93,13 +93,14 @@ class Sample:
     time: float
     max_num_seqs: int
     max_num_batched_tokens: int | None
-    batch: float
+    batch: float  # mean running sequences per pod over the window
     latency_p99: float  # the SLO's per-token latency, P99: ITL, or TPOT when the SLO is on TPOT
     tokens_per_second: float
     saturated: bool
     preempting: bool
     starved: bool = False  # prompts waited with slots free while the step budget filled every step
     filling: bool = False  # the load rose in the window: its batch ended saturated, far above its mean
+    end_batch: float | None = None  # running sequences per pod at the window's end
     ttft_p99: float | None = None
     cost_sums: dict[str, float] | None = None  # the window's step-cost sums (None: not exported)
     decode_tail: float = 1.0  # decode steps' P99 / their mean; for a TPOT SLO, the TPOT P99 / all steps' mean
@@ -426,9 +427,7 @@ def tune(
                                     f"queue): the requests it judged ran before the load changed; confirming over "
                                     f"one more window{why}", history)
         elif probe is None:
-            now_level = replace(prediction, level=sample.level or prediction.level)
-            best = min(best, _largest(lambda s: now_level.latency_p99(s, tokens) <= target, seq_bounds.min, m - 1)
-                       or seq_bounds.min)
+            best = _cut(prediction, sample, tokens, target, seq_bounds.min, m)
     if best > m:
         bad = min((s.max_num_seqs for s in history.samples[-config.bracket_windows:]
                    if s.violated and s.max_num_seqs > m), default=None)
@@ -500,6 +499,7 @@ def _evidence(observation: Observation | None, settings: EngineSettings, kind: s
         and (sums["rows"] + sums["prefill"]) / max(sums["steps"], 1.0) >= config.full_step * budget,
         filling=running_now >= max(config.filling_growth * batch, config.saturation_fill * m)
         and observation.waiting_now > 0,
+        end_batch=running_now,
         preempting=observation.preemptions_per_second > 0,
         ttft_p99=observation.ttft_p99,
         cost_sums=dict(sums) if sums is not None else None,
@@ -638,6 +638,26 @@ def _probe_below(samples: tuple[Sample, ...], m: int, slo: float, target: float,
     text = (f"the ITL P99 fell as batch^{power:.2f} from {b2:.0f} to {b1:.0f} ({y2 * 1e3:.0f} → {y1 * 1e3:.0f} ms), "
             f"which would meet it near {aim}")
     return min(max(aim, floor), lowest - 1), text
+
+
+def _cut(prediction: Prediction, sample: Sample, tokens: int | None, target: float, low: int, m: int) -> int:
+    """Where a window clearly over the SLO sends max_num_seqs: the shallower of two cuts, the largest
+    setting the prediction (at this window's machine speed) puts under ``target``, and the largest at
+    which the window's own P99, carried along the fitted curve from the batch it ran at, meets it.
+
+    The prediction's tails and correction were learned over recent windows; when the traffic has
+    just changed they belong to the traffic before (tuning_day.py run 5: a requests' tail of ×1.8
+    learned over long prompts, where other prompts' chunks set a short answer's TPOT, cut a chat
+    burst's 64 to 16, the most one interval allows, where 32-64 served it best), while the window's
+    own point is the new traffic's. A cut acts in the next step and is measured one interval later,
+    so one too shallow is taken further then, while one too deep costs throughput until the climb
+    back. The batch the window ran at is the one at its end when the batch filled up in it: the steps
+    run there now."""
+    at = min(max(sample.batch, sample.end_batch or 0.0), m)
+    now = replace(prediction, level=sample.level or prediction.level)
+    own = replace(prediction, correction=prediction.correction * sample.latency_p99
+                  / max(prediction.latency_p99(at, tokens), 1e-9))
+    return max(_largest(lambda s: p.latency_p99(s, tokens) <= target, low, m - 1) or low for p in (now, own))
 
 
 def _largest(meets, low: int, high: int) -> int | None:

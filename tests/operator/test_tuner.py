@@ -373,6 +373,34 @@ def test_a_window_whose_batch_filled_up_does_not_cut_the_batch_until_the_next_on
     assert again.settings.max_num_seqs < 64, again.reason
 
 
+def test_a_cut_is_sized_by_the_window_not_by_tails_learned_under_the_traffic_before():
+    # tuning_day.py run 5: over long prompts a short answer's TPOT is set by other prompts' chunks (the
+    # requests' TPOT P99 ~1.8x the mean step); the chat burst after them read 124 ms at 64 with its own
+    # tail of ~1.3-1.5, and the tail, level and correction learned before cut 64 to 16, where 32-64
+    # served the burst best.
+    within = tuning(Slo(tpot_p99_seconds=0.1))
+    rag = SimulatedEngine(a=0.03, b=0.0008, c=0.00003, prefill_share=0.3, prompt_tokens=1000, arrival_limited_batch=4)
+    burst = SimulatedEngine(a=0.03, b=0.0008, output_tokens=88, prompt_tokens=20)
+    params = EngineSettings(max_num_seqs=64, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    history, rng = TuningHistory(), random.Random(5)
+    for i in range(4):
+        obs = rag.window(params, rng, slowdown=1.3)  # attention over 1,500 tokens: slower than the line
+        obs = replace(obs, tpot_p99=1.65 * obs.step_cost_sums["seconds"] / obs.step_cost_sums["steps"])
+        decision = tune(obs, params, within, history, now=(i + 1) * INTERVAL)
+        assert decision.settings.max_num_seqs == 64, decision.reason
+        history = decision.history
+    window = burst.window(params, rng)
+    mean_step = window.step_cost_sums["seconds"] / window.step_cost_sums["steps"]
+    # ~1.5x its own mean step: over the SLO by 24%; overloaded (admission turns requests away), so the
+    # tuner aims at the SLO with the least margin.
+    window = replace(window, tpot_p99=0.124, rejected_per_second=5.0)
+    assert 1.3 <= 0.124 / mean_step <= 1.7
+    cut = tune(window, params, within, history, now=5 * INTERVAL)
+    # Its own point carried along the line (steps ≈ 30 + 0.8·rows ms) meets the 95 ms target near 40.
+    assert 32 <= cut.settings.max_num_seqs < 64, cut.reason
+    assert burst.expected(cut.settings.max_num_seqs).tpot_p99 <= 0.1
+
+
 def test_headroom_without_a_queue_does_not_grow():
     trace, final = run(SimulatedEngine(arrival_limited_batch=10), 16, intervals=6)
     assert final.max_num_seqs == 16 and "not saturated" in trace[-1][1]
