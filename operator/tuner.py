@@ -25,7 +25,9 @@ A pure function, in four named steps, each testable on synthetic streams:
    then says so and keeps the setting with the best throughput it has seen instead of walking down
    to the minimum (replicas are the cure).
 4. **Move** (``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
-   up and ÷4 down per interval (a decrease acts in the engine's next step: it preempts the excess).
+   up per interval and down to ÷4 of the running batch (a decrease acts in the engine's next step: it
+   preempts the excess);
+   a cut no deeper than the window's own P99, carried along the fitted curve, needs (``_cut``).
    A tail made of prefill chunks while the decode steps alone meet the SLO lowers
    ``max_num_batched_tokens`` instead (within ``spec.tuning.maxNumBatchedTokens``; without those
    bounds the tuner holds, as a smaller batch would not cure it), and a TTFT over its SLO from
@@ -66,6 +68,7 @@ class TunerConfig:
     max_growth: float = 4.0  # at most ×4 per interval upwards, once the step cost's slope is measured
     explore_growth: float = 2.0  # before that, at most ×2 (less where the squared headroom is less)
     max_backoff: float = 0.25  # at most ÷4 per interval downwards
+    probe_share: float = 0.8  # a probe below the SLO's reach runs at most this share of the sequences that ran
     hysteresis: float = 0.05  # ignore moves smaller than this fraction of max_num_seqs
     saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
     filling_growth: float = 1.5  # a batch ending at ≥ this × the window's mean, saturated, filled up in the window
@@ -365,7 +368,8 @@ def tune(
     probe, refuted = None, False
     prior_down = not prediction.cost.slope_measured and best is not None and best < m
     if sample.latency_p99 > slo_latency and (decode_best is None or prior_down):
-        probe = _probe_below(history.samples, m, slo_latency, target, seq_bounds.min, config)
+        probe = _probe_below(history.samples, m, max(sample.batch, sample.end_batch or 0.0), slo_latency, target,
+                             seq_bounds.min, config)
         if probe is None:
             refuted = prior_down
         elif decode_best is None:
@@ -606,10 +610,30 @@ def _log_variance(values: list[float | None]) -> float:
     return sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)
 
 
-def _probe_below(samples: tuple[Sample, ...], m: int, slo: float, target: float, low: int, config: TunerConfig
-                 ) -> tuple[int, str] | None:
+def _probe_below(samples: tuple[Sample, ...], m: int, running: float, slo: float, target: float, low: int,
+                 config: TunerConfig) -> tuple[int, str] | None:
     """A smaller setting worth measuring before the SLO is called out of reach, and why; None when the
-    windows already show that none below meets it.
+    windows already show that none below meets it, or when there is no smaller batch to measure.
+
+    A probe the running batch would not feel measures nothing: one above ``probe_share`` of the
+    ``running`` sequences (the window's mean batch, or its end batch when the batch filled up) goes to
+    ÷4 of them instead, and where that is not below them either (a batch of one or two) nothing smaller
+    can be measured. (tuning_day.py run 6: over long prompts, 1.1 sequences running at 64 read a TPOT
+    P99 of 195 ms, other prompts' chunks in a short answer's life; a probe to 16 measured nothing and
+    the chat burst after it started from 16.)"""
+    found = _probe_target(samples, m, slo, target, low, config)
+    if found is None or found[0] <= config.probe_share * running:
+        return found
+    lower = max(math.floor(running * config.max_backoff), low)
+    if lower > config.probe_share * running:
+        return None
+    return lower, f"{found[1]}, and {running:.1f} sequences ran, which {found[0]} would not hold back"
+
+
+def _probe_target(samples: tuple[Sample, ...], m: int, slo: float, target: float, low: int, config: TunerConfig
+                  ) -> tuple[int, str] | None:
+    """The smaller setting the windows' curve points at, and why; None when it shows none below meets
+    the SLO.
 
     The windows' ITL P99 per setting (recent ones, median of each) give an optimistic curve below the
     smallest setting measured: a power law through the two smallest, ITL ∝ batch^p (p in 0..1), which
@@ -651,12 +675,10 @@ def _cut(prediction: Prediction, sample: Sample, tokens: int | None, target: flo
     burst's 64 to 16, the most one interval allows, where 32-64 served it best), while the window's
     own point is the new traffic's. A cut acts in the next step and is measured one interval later,
     so one too shallow is taken further then, while one too deep costs throughput until the climb
-    back. The batch the window ran at is the one at its end when the batch filled up in it: the steps
-    run there now."""
-    at = min(max(sample.batch, sample.end_batch or 0.0), m)
+    back."""
     now = replace(prediction, level=sample.level or prediction.level)
     own = replace(prediction, correction=prediction.correction * sample.latency_p99
-                  / max(prediction.latency_p99(at, tokens), 1e-9))
+                  / max(prediction.latency_p99(sample.batch, tokens), 1e-9))
     return max(_largest(lambda s: p.latency_p99(s, tokens) <= target, low, m - 1) or low for p in (now, own))
 
 
@@ -669,7 +691,10 @@ def _move(m: int, best: int, sample: Sample, observation: Observation, bounds, s
           slope_measured: bool) -> tuple[int, str]:
     """The next max_num_seqs towards ``best``, and what keeps it at ``m`` when it stays."""
     if best < m:
-        new = max(best, math.floor(m * config.max_backoff), bounds.min)
+        # At most ÷4 of the sequences running: the limit is on what a cut preempts, and a setting the
+        # batch does not reach holds nothing back.
+        running = min(m, max(sample.batch, sample.end_batch or 0.0))
+        new = max(best, math.floor(running * config.max_backoff), bounds.min)
         return (new, "") if m - new >= max(1, config.hysteresis * m) else (m, "the predicted best is within the hysteresis")
     if best == m:
         return m, "the prediction puts the best setting here"

@@ -88,7 +88,7 @@ class SimulatedEngine:
             prompt_tokens_per_second=sums["prefill"] / seconds, requests_per_second=1.0, requests_finished=30.0,
             itl_samples=sums["rows"], ttft_p50=0.2, ttft_p99=0.5, itl_p50=quantile(itl, 0.5),
             itl_p99=quantile(itl, 0.99), e2e_p50=5.0, e2e_p99=9.0, queue_time_p99=0.05,
-            mean_running_per_pod=sums["rows"] / self.steps, running=full, waiting=8.0 if saturated else 0.0,
+            mean_running_per_pod=sums["rows"] / self.steps, running=full, running_now=full, waiting=8.0 if saturated else 0.0,
             waiting_now=8.0 if saturated else 0.0, kv_cache_usage=min(1.0, full / self.kv_seqs),
             kv_cache_blocks=1000.0, preemptions_per_second=0.0, prefix_cache_hit_rate=None,
             mean_output_tokens_per_request=100.0, max_num_seqs=params.max_num_seqs,
@@ -399,6 +399,30 @@ def test_a_cut_is_sized_by_the_window_not_by_tails_learned_under_the_traffic_bef
     # Its own point carried along the line (steps ≈ 30 + 0.8·rows ms) meets the 95 ms target near 40.
     assert 32 <= cut.settings.max_num_seqs < 64, cut.reason
     assert burst.expected(cut.settings.max_num_seqs).tpot_p99 <= 0.1
+
+
+def test_a_probe_goes_below_the_sequences_that_ran_or_not_at_all():
+    # tuning_day.py run 6: over long prompts 1.1 sequences ran at 64 and read a TPOT P99 of 195 ms (other
+    # prompts' chunks in a short answer's life); "only batch 3 has been measured" sent 64 to 16, which
+    # held back nothing, and the chat burst after it started from 16.
+    within = tuning(Slo(tpot_p99_seconds=0.1))
+    chat = SimulatedEngine(a=0.011, b=0.0012, arrival_limited_batch=3)
+    rag = SimulatedEngine(a=0.011, b=0.0012, c=0.0015, prefill_share=0.05, prompt_tokens=1200,
+                          arrival_limited_batch=1)
+    params = EngineSettings(max_num_seqs=64, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    history, rng = TuningHistory(), random.Random(2)
+    for i, engine in enumerate([chat, chat, rag, rag, rag]):
+        obs = engine.window(params, rng)
+        if engine is rag:
+            obs = replace(obs, tpot_p99=0.195, tpot_samples=12)
+        decision = tune(obs, params, within, history, now=(i + 1) * INTERVAL)
+        assert decision.settings.max_num_seqs == 64, decision.reason
+        history = decision.history
+    assert "no maxNumSeqs" in decision.reason and decision.slo_unreachable, decision.reason
+    # Where the batch is a dozen, the probe goes below it: 64 → 3, ÷4 of the 12 that ran (not 16).
+    heavy = SimulatedEngine(a=0.05, b=0.01, arrival_limited_batch=12)
+    first = tune(heavy.window(params, rng), params, tuning(), TuningHistory(), now=INTERVAL)
+    assert first.settings.max_num_seqs == 3, first.reason
 
 
 def test_headroom_without_a_queue_does_not_grow():
