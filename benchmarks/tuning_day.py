@@ -616,10 +616,11 @@ def spread(values: list[float | None], fmt: str) -> str:
 
 
 def ratios(runs: list[Run], phases: list[Phase]) -> dict:
-    """Per repeat: tuned over the best static and over the defaults; and the most any max_num_seqs fixed
-    per phase could have made, over the best one fixed for the day (``per_phase_best_over_best_fixed``:
-    each phase's best fixed setting, the defaults' 64 included, chosen in hindsight; a ceiling for what
-    moving max_num_seqs between phases can win on this trace, up to backlogs carried across phases)."""
+    """Per repeat: tuned over the best static and over the defaults; and what switching among the fixed
+    settings measured (the defaults' 64 included) at each phase's start, picking each phase's best in
+    hindsight, makes over the best one of them for the whole day (``per_phase_best_over_best_fixed``):
+    how much this trace rewards moving between those settings at all. A setting between them, or
+    moves within a phase, can do better."""
     out = {"tuned_over_best_static": [], "best_static": [], "tuned_over_default": [],
            "per_phase_best_over_best_fixed": [], "per_phase_best": []}
     for repeat in sorted({r.repeat for r in runs}):
@@ -662,9 +663,9 @@ def report(runs: list[Run], phases: list[Phase], systems: list[str]) -> dict:
           f"{spread(found['tuned_over_best_static'], '.2f')}, per repeat {found['tuned_over_best_static']}")
     print(f"  tuned goodput / the defaults': {spread(found['tuned_over_default'], '.2f')}, "
           f"per repeat {found['tuned_over_default']}")
-    print(f"  each phase's best fixed setting ({found['per_phase_best']}) / the best one for the whole day, in "
-          f"hindsight: {spread(found['per_phase_best_over_best_fixed'], '.2f')}, per repeat "
-          f"{found['per_phase_best_over_best_fixed']} (what switching max_num_seqs between phases could win)")
+    print(f"  each phase's best of the fixed settings measured ({found['per_phase_best']}) / the best of them for "
+          f"the whole day, in hindsight: {spread(found['per_phase_best_over_best_fixed'], '.2f')}, per repeat "
+          f"{found['per_phase_best_over_best_fixed']} (what switching among them between phases could win)")
     tuned = [r for r in runs if r.system == "tuned"]
     for i, phase in enumerate(phases):
         shares = [r.goal_shares[i] for r in tuned]
