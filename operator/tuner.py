@@ -104,6 +104,7 @@ class Sample:
     starved: bool = False  # prompts waited with slots free while the step budget filled every step
     filling: bool = False  # the load rose in the window: its batch ended saturated, far above its mean
     end_batch: float | None = None  # running sequences per pod at the window's end
+    lagging: bool = False  # a per-request latency judged by requests that ran mostly before a change of batch
     ttft_p99: float | None = None
     cost_sums: dict[str, float] | None = None  # the window's step-cost sums (None: not exported)
     decode_tail: float = 1.0  # decode steps' P99 / their mean; for a TPOT SLO, the TPOT P99 / all steps' mean
@@ -319,6 +320,12 @@ def tune(
     assert observation is not None
     # 2. Prediction, checked and corrected by this window's request-level P99.
     slo_ttft = slo.ttft_p99_seconds if slo.ttft_p99_seconds is not None else math.inf
+    # A per-request latency (TPOT) lags the batch: in a window whose batch filled up, or the first one
+    # after a cut, the requests finishing ran mostly before the change. Such windows neither teach the
+    # prediction its tail and correction nor confirm a setting over the SLO.
+    last = history.last_change(MAX_NUM_SEQS)
+    just_cut = last is not None and last.new == m < last.old and not _tail_at_setting(history.samples, m)
+    evidence = replace(evidence, lagging=kind == "TPOT" and (evidence.filling or just_cut))
     prediction, sample = _predict(history.samples, evidence, slo_latency, kind == "TPOT", config)
     history = replace(history, samples=(history.samples + (sample,))[-config.history_length:])
     ttft, queueing = sample.ttft_p99, observation.ttft_from_queueing
@@ -415,11 +422,18 @@ def tune(
     # setting recently confirmed over the SLO.
     band = _noise_band(history.samples, config)
     itl_over = sample.latency_p99 > slo_latency
-    violated = itl_over and (sample.latency_p99 > slo_latency * (1 + band) or _over_twice(history.samples, m, slo_latency))
+    violated = itl_over and not (sample.lagging and just_cut) and \
+        (sample.latency_p99 > slo_latency * (1 + band) or _over_twice(history.samples, m, slo_latency))
     history = replace(history, samples=history.samples[:-1] + (replace(sample, violated=violated),))
     if best < m and not ttft_driven:
         if not itl_over:
             best = m
+        elif sample.lagging and just_cut:
+            # tuning_day.py run 8: the window after a cut of a 2x burst's 64 to 15 read 180 ms from requests
+            # that had run at 63, cut again to 5, and barred 15 for the rest of the burst (held at 14 at 50 ms).
+            return decide(settings, f"{where}: the first window since max_num_seqs came down to {m}: the requests "
+                                    f"it judged ran mostly before the cut; confirming over one more window{why}",
+                          history)
         elif not violated:
             return decide(settings, f"{where} is within the noise band ({band:.0%}) over {slo_text}: confirming "
                                     f"over one more window{why}", history)
@@ -536,7 +550,8 @@ def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, per_reque
         own_level = step_cost.level(sample.cost_sums, cost) if sample.cost_sums else None
     prefill_mean = cost.seconds(sample.batch, sample.prefill_chunk) * (own_level or 1.0)
     budget = sample.max_num_batched_tokens
-    tails = [s.decode_tail for s in recent[-config.correction_windows:] if s.cost_sums]
+    tails = [s.decode_tail for s in recent[-config.correction_windows:] if s.cost_sums and not s.lagging] or \
+        [s.decode_tail for s in recent[-config.correction_windows:] if s.cost_sums]
     own = Prediction(
         cost=cost,
         level=own_level or 1.0,
@@ -555,7 +570,8 @@ def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, per_reque
                      level=own_level)
     # The ratio where it was read: windows at this setting (a window at another batch, or one in which
     # the batch was filling up, says little about the prediction's error here).
-    window = _tail_at_setting(previous + (sample,), sample.max_num_seqs)[:config.correction_windows]
+    window = [s for s in _tail_at_setting(previous + (sample,), sample.max_num_seqs) if not s.lagging
+              ][:config.correction_windows]
     low, high = config.correction_bounds
     correction = min(max(_geometric_mean([s.correction for s in window]) or 1.0, low), high)
     # The machine's speed: the slowest of the recent windows', so that a neighbour's load coming
