@@ -17,8 +17,10 @@ A pure function, in four named steps, each testable on synthetic streams:
    ratio moves from window to window (a noisy node gets a wider margin, not a hunt). Under a TPOT
    SLO (a request's mean gap) the prediction is the mean step, prefill tokens spread over all steps,
    times the requests' tail, and the chunks set no tail of their own.
-3. **Guardrails** (in ``tune``): no verdict without enough samples; no growth without a queue (more
-   sequences would not raise throughput) or past what the KV cache holds at the observed lengths;
+3. **Guardrails** (in ``tune``): no verdict without enough samples, nor from a per-request latency
+   judged by requests that ran before the batch changed (a window that filled up, the first after a
+   cut); no growth without a queue (more sequences would not raise throughput) or past what the KV
+   cache holds at the observed lengths;
    a move that reverses the last one waits for a second window at the setting; when no setting
    within the bounds is predicted to meet the SLO, the tuner measures a smaller one unless the
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
@@ -320,11 +322,12 @@ def tune(
     assert observation is not None
     # 2. Prediction, checked and corrected by this window's request-level P99.
     slo_ttft = slo.ttft_p99_seconds if slo.ttft_p99_seconds is not None else math.inf
-    # A per-request latency (TPOT) lags the batch: in a window whose batch filled up, or the first one
-    # after a cut, the requests finishing ran mostly before the change. Such windows neither teach the
-    # prediction its tail and correction nor confirm a setting over the SLO.
+    # A per-request latency (TPOT) lags the batch: in a window whose batch filled up, or until the slowest
+    # requests finishing in the window began decoding after a cut, they ran mostly before the change.
+    # Such windows neither teach the prediction its tail and correction nor confirm a setting over the SLO.
     last = history.last_change(MAX_NUM_SEQS)
-    just_cut = last is not None and last.new == m < last.old and not _tail_at_setting(history.samples, m)
+    just_cut = last is not None and last.new == m < last.old and \
+        now - last.time < observation.window_seconds + _decode_span(observation)
     evidence = replace(evidence, lagging=kind == "TPOT" and (evidence.filling or just_cut))
     prediction, sample = _predict(history.samples, evidence, slo_latency, kind == "TPOT", config)
     history = replace(history, samples=(history.samples + (sample,))[-config.history_length:])
@@ -430,9 +433,11 @@ def tune(
             best = m
         elif sample.lagging and just_cut:
             # tuning_day.py run 8: the window after a cut of a 2x burst's 64 to 15 read 180 ms from requests
-            # that had run at 63, cut again to 5, and barred 15 for the rest of the burst (held at 14 at 50 ms).
-            return decide(settings, f"{where}: the first window since max_num_seqs came down to {m}: the requests "
-                                    f"it judged ran mostly before the cut; confirming over one more window{why}",
+            # that had run at 63, cut again to 5, and barred 15 for the rest of the burst (held at 14 at 50 ms);
+            # run 9, waiting one window only: the second window after the cut still read 148 ms.
+            return decide(settings, f"{where}: max_num_seqs came down to {m} {now - last.time:.0f} s ago, and the "
+                                    f"requests finishing now began decoding before that (up to "
+                                    f"{_decode_span(observation):.0f} s): confirming over a later window{why}",
                           history)
         elif not violated:
             return decide(settings, f"{where} is within the noise band ({band:.0%}) over {slo_text}: confirming "
@@ -694,6 +699,14 @@ def _cut(prediction: Prediction, sample: Sample, tokens: int | None, target: flo
     own = replace(prediction, correction=prediction.correction * sample.latency_p99
                   / max(prediction.latency_p99(sample.batch, tokens), 1e-9))
     return max(_largest(lambda s: p.latency_p99(s, tokens) <= target, low, m - 1) or low for p in (now, own))
+
+
+def _decode_span(observation: Observation) -> float:
+    """Seconds a slow request finishing in the window spent decoding: its end-to-end latency less its
+    time to first token (P99s; the medians where they say more)."""
+    spans = [(e2e or 0.0) - (ttft or 0.0) for e2e, ttft in ((observation.e2e_p99, observation.ttft_p99),
+                                                            (observation.e2e_p50, observation.ttft_p50))]
+    return max(spans + [0.0])
 
 
 def _largest(meets, low: int, high: int) -> int | None:

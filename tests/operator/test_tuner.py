@@ -426,23 +426,26 @@ def test_a_probe_goes_below_the_sequences_that_ran_or_not_at_all():
     assert first.settings.max_num_seqs == 3, first.reason
 
 
-def test_the_first_window_after_a_cut_does_not_judge_the_new_setting_by_requests_that_ran_before():
+def test_windows_after_a_cut_do_not_judge_the_new_setting_by_requests_that_ran_before_it():
     # tuning_day.py run 8: a 2x burst's 64 was cut to 15; the next window's requests had run at 63 (TPOT P99
-    # 180 ms), which cut 15 to 5 and barred 15 for the rest of the burst, held at 14 at 50 ms.
+    # 180 ms), which cut 15 to 5 and barred 15 for the rest of the burst, held at 14 at 50 ms. Run 9: the
+    # second window after the cut still read 148 ms. The requests' decode span (e2e less TTFT) is ~8.5 s.
     within = tuning(Slo(tpot_p99_seconds=0.1))
     engine = SimulatedEngine(a=0.02, b=0.0015)
     trace, params = run(engine, 64, intervals=1, within=within)
     cut = trace[-1][3]
     assert params.max_num_seqs < 64 and engine.expected(params.max_num_seqs).tpot_p99 <= 0.1, cut.reason
     lagging = replace(engine.window(params, random.Random(4)), tpot_p99=0.180)
-    held = tune(lagging, params, within, cut.history, now=100.0)
+    held = tune(lagging, params, within, cut.history, now=INTERVAL + 10.0)
     assert held.settings == params and not held.history.samples[-1].violated, held.reason
-    after = tune(engine.window(params, random.Random(5)), params, within, held.history, now=130.0)
+    still = tune(replace(lagging, window_seconds=20.0), params, within, held.history, now=INTERVAL + 20.0)
+    assert still.settings == params and not still.history.samples[-1].violated, still.reason
+    after = tune(engine.window(params, random.Random(5)), params, within, still.history, now=INTERVAL + 60.0)
     assert after.settings.max_num_seqs >= params.max_num_seqs, after.reason
     # Under an ITL SLO every gap is timed as it happens: the same window is evidence at once.
     itl = tuning(Slo(itl_p99_seconds=0.1))
     lagging_itl = replace(lagging, itl_p99=0.180)
-    assert tune(lagging_itl, params, itl, cut.history, now=100.0).settings.max_num_seqs < params.max_num_seqs
+    assert tune(lagging_itl, params, itl, cut.history, now=INTERVAL + 10.0).settings.max_num_seqs < params.max_num_seqs
 
 
 def test_headroom_without_a_queue_does_not_grow():
