@@ -637,20 +637,24 @@ def _probe_below(samples: tuple[Sample, ...], m: int, running: float, slo: float
     windows already show that none below meets it, or when there is no smaller batch to measure.
 
     A probe must hold back some of the ``running`` sequences (the window's mean batch, or its end
-    batch when the batch filled up): at least one, and at least ``1 - probe_share`` of them. One the
-    batch would not feel measures nothing, and when the windows' curve points at or above the batch
-    that ran, the batch is not what breaks the SLO (tuning_day.py run 6: over long prompts, 1.1
-    sequences running at 64 read a TPOT P99 of 195 ms from other prompts' chunks in a short answer's
-    life, a probe to 16 held back nothing, and the chat burst after it started from 16; run 7: probes
-    to ÷4 of 1.4 and of 11.5 running sent the burst in from 1 and the noisy phase to 2)."""
-    found = _probe_target(samples, m, running, slo, target, low, config)
-    if found is None or found[0] > min(config.probe_share * running, running - 1):
+    batch when the batch filled up): at least one, and ``1 - probe_share`` of them. One the batch would
+    not feel measures nothing; it goes to the largest setting that does hold them back instead, and
+    with one or two running there is none (tuning_day.py run 6: over long prompts, 1.1 sequences at
+    64 read a TPOT P99 of 195 ms from other prompts' chunks in a short answer's life, a probe to 16
+    held back nothing, and the chat burst after it started from 16; runs 7 and 10, probing ÷4 of the
+    sequences running instead: 1.4 running sent the burst in from 1, and 9 on a noisy node went to 2,
+    queueing the phase's requests past the TTFT SLO)."""
+    found = _probe_target(samples, m, slo, target, low, config)
+    holds_back = math.floor(min(config.probe_share * running, running - 1))
+    if found is None or found[0] <= holds_back:
+        return found
+    if holds_back < low:
         return None
-    return found
+    return holds_back, f"{found[1]}; {running:.1f} sequences ran, so {holds_back} is the first setting that holds some back"
 
 
-def _probe_target(samples: tuple[Sample, ...], m: int, running: float, slo: float, target: float, low: int,
-                  config: TunerConfig) -> tuple[int, str] | None:
+def _probe_target(samples: tuple[Sample, ...], m: int, slo: float, target: float, low: int, config: TunerConfig
+                  ) -> tuple[int, str] | None:
     """The smaller setting the windows' curve points at, and why; None when it shows none below meets
     the SLO.
 
@@ -658,15 +662,15 @@ def _probe_target(samples: tuple[Sample, ...], m: int, running: float, slo: floa
     smallest setting measured: a power law through the two smallest, ITL ∝ batch^p (p in 0..1), which
     a concave cost lies above. Where even that curve puts the lower bound over the SLO, no smaller
     setting meets it (a step mostly fixed cost: a flat curve); otherwise the probe goes to where the
-    curve meets ``target``, at most ÷4 from the sequences running. One setting measured: ÷4 of them. A
-    smaller setting that met the SLO lately is returned to."""
+    curve meets ``target``, at most ÷4 from ``m``. One setting measured: ÷4. A smaller setting that met
+    the SLO lately is returned to."""
     by_setting: dict[int, list[Sample]] = {}
     for s in samples[-config.bracket_windows:]:
         by_setting.setdefault(s.max_num_seqs, []).append(s)
     points = sorted((sum(s.batch for s in group) / len(group), statistics.median_high(s.latency_p99 for s in group), setting)
                     for setting, group in by_setting.items())
     (b1, y1, lowest), rest = points[0], points[1:]
-    floor = max(math.floor(min(m, running) * config.max_backoff), low)
+    floor = max(math.floor(m * config.max_backoff), low)
     if lowest < m and y1 <= slo:
         return max(lowest, floor), f"{lowest} met it lately (ITL P99 {y1 * 1e3:.0f} ms)"
     if lowest <= low:

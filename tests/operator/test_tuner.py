@@ -420,10 +420,12 @@ def test_a_probe_goes_below_the_sequences_that_ran_or_not_at_all():
         assert decision.settings.max_num_seqs == 64, decision.reason
         history = decision.history
     assert "no maxNumSeqs" in decision.reason and decision.slo_unreachable, decision.reason
-    # Where the batch is a dozen, the probe goes below it: 64 → 3, ÷4 of the 12 that ran (not 16).
+    # Where the batch is a dozen, the probe goes just below it: 64 → 9, the first setting that holds back a
+    # fifth of the 12 that ran (not 16, which holds back none; nor ÷4 of them, 3, which on a noisy node in
+    # run 10 queued the phase's requests past the TTFT SLO).
     heavy = SimulatedEngine(a=0.05, b=0.01, arrival_limited_batch=12)
     first = tune(heavy.window(params, rng), params, tuning(), TuningHistory(), now=INTERVAL)
-    assert first.settings.max_num_seqs == 3, first.reason
+    assert first.settings.max_num_seqs == 9, first.reason
 
 
 def test_windows_after_a_cut_do_not_judge_the_new_setting_by_requests_that_ran_before_it():
