@@ -18,18 +18,18 @@ A pure function, in four named steps, each testable on synthetic streams:
    SLO (a request's mean gap) the prediction is the mean step, prefill tokens spread over all steps,
    times the requests' tail, and the chunks set no tail of their own.
 3. **Guardrails** (in ``tune``): no verdict without enough samples, nor from a per-request latency
-   judged by requests that ran before the batch changed (a window that filled up, the first after a
-   cut); no growth without a queue (more sequences would not raise throughput) or past what the KV
-   cache holds at the observed lengths;
-   a move that reverses the last one waits for a second window at the setting; when no setting
+   judged by requests that ran before the batch changed (a window that filled up, or that began
+   within a slow request's decode span after a cut); no growth without a queue (more sequences would
+   not raise throughput) or past what the KV cache holds at the observed lengths; a move that
+   reverses the last one waits for a second window at the setting; when no setting
    within the bounds is predicted to meet the SLO, the tuner measures a smaller one unless the
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
    then says so and keeps the setting with the best throughput it has seen instead of walking down
    to the minimum (replicas are the cure).
 4. **Move** (``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
    up per interval and down to ÷4 of the running batch (a decrease acts in the engine's next step: it
-   preempts the excess);
-   a cut no deeper than the window's own P99, carried along the fitted curve, needs (``_cut``).
+   preempts the excess), and a cut no deeper than the window's own P99, carried along the fitted
+   curve, needs (``_cut``).
    A tail made of prefill chunks while the decode steps alone meet the SLO lowers
    ``max_num_batched_tokens`` instead (within ``spec.tuning.maxNumBatchedTokens``; without those
    bounds the tuner holds, as a smaller batch would not cure it), and a TTFT over its SLO from
@@ -69,7 +69,7 @@ class TunerConfig:
     min_steps: int = 30  # fewer engine steps than this in a window: its step cost is noise (a 2-core CPU runs 30-100 in 20 s)
     max_growth: float = 4.0  # at most ×4 per interval upwards, once the step cost's slope is measured
     explore_growth: float = 2.0  # before that, at most ×2 (less where the squared headroom is less)
-    max_backoff: float = 0.25  # at most ÷4 per interval downwards
+    max_backoff: float = 0.25  # at most ÷4 of the running batch per interval downwards
     probe_share: float = 0.8  # a probe below the SLO's reach runs at most this share of the sequences that ran
     hysteresis: float = 0.05  # ignore moves smaller than this fraction of max_num_seqs
     saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
