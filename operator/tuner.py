@@ -70,7 +70,7 @@ class TunerConfig:
     max_growth: float = 4.0  # at most ×4 per interval upwards, once the step cost's slope is measured
     explore_growth: float = 2.0  # before that, at most ×2 (less where the squared headroom is less)
     max_backoff: float = 0.25  # at most ÷4 of the running batch per interval downwards
-    probe_share: float = 0.8  # a probe below the SLO's reach runs at most this share of the sequences that ran
+    probe_share: float = 0.8  # a probe runs at most this share of the sequences that ran
     hysteresis: float = 0.05  # ignore moves smaller than this fraction of max_num_seqs
     saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
     filling_growth: float = 1.5  # a batch ending at ≥ this × the window's mean, saturated, filled up in the window
@@ -650,7 +650,8 @@ def _probe_below(samples: tuple[Sample, ...], m: int, running: float, slo: float
         return found
     if holds_back < low:
         return None
-    return holds_back, f"{found[1]}; {running:.1f} sequences ran, so {holds_back} is the first setting that holds some back"
+    return holds_back, (f"{found[1]}; {running:.1f} sequences ran, so {holds_back} is the first setting that "
+                        "holds some back")
 
 
 def _probe_target(samples: tuple[Sample, ...], m: int, slo: float, target: float, low: int, config: TunerConfig
