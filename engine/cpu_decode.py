@@ -60,8 +60,8 @@ class CpuDecodePath:
     @classmethod
     def for_model(cls, model: CausalLM, kv_caches: list[torch.Tensor]) -> CpuDecodePath | None:
         """The path for this model, or None (logged) where it does not apply: see the module doc."""
-        projections = [projection for layer in model.layers for projection in layer.projections()]
-        if not all(isinstance(p, QuantizedLinear) and p.int8_kernel is not None for p in projections):
+        projections = packed_projections(model)
+        if projections is None or any(p.int8_kernel is None for p in projections):
             return None  # a dense weight, torch's int4 layout, or a LoRA wrapper
         if model.dtype not in (torch.float32, torch.bfloat16) or not kv_caches or not all(
                 cache.is_contiguous() and cache.device.type == "cpu" for cache in kv_caches):
@@ -98,6 +98,12 @@ class CpuDecodePath:
         if self._kernel(ctypes.byref(self._struct), ctypes.byref(step)):
             raise MemoryError(f"no memory for {n} rows of activations quantized to int8")
         return add_rms_norm(delta, residual, model.norm, model.arch.rms_norm_eps)[0]
+
+
+def packed_projections(model: CausalLM) -> list[QuantizedLinear] | None:
+    """Every projection of the model, when all of them are packed (QuantizedLinear); else None."""
+    projections = [projection for layer in model.layers for projection in layer.projections()]
+    return projections if all(isinstance(p, QuantizedLinear) for p in projections) else None
 
 
 def _linear(projection: QuantizedLinear) -> cpu_decode_layers.Linear:

@@ -25,10 +25,10 @@ from kvpilot.engine.config import (
     resolve_max_model_len,
     resolve_max_num_batched_tokens,
 )
+from kvpilot.engine.cpu_decode import packed_projections
 from kvpilot.engine.lora.manager import LoRAManager
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.models import CausalLM, ModelArch, load_model, load_tokenizer, read_model_arch, saved_dtype
-from kvpilot.engine.quantization.linear import QuantizedLinear
 from kvpilot.engine.sampler import Sampler, SamplingInput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.kernels import cpu_decode_layers, cpu_features, cpu_fused_ops, cpu_paged_decode
@@ -141,8 +141,7 @@ def _build_cpu_kernels_in_background(config: EngineConfig, model: CausalLM) -> N
     shape = {"head_dim": arch.head_dim, "num_kv_heads": arch.num_kv_heads, "block_size": config.block_size}
     if cpu_paged_decode.supports(dtype=dtype, num_heads=arch.num_heads, **shape):
         load_in_background(cpu_paged_decode.load_kernel, dtype, group=arch.num_heads // arch.num_kv_heads, **shape)
-    packed = all(isinstance(p, QuantizedLinear) for layer in model.layers for p in layer.projections())
-    if packed and not config.enforce_eager and not config.enable_lora:
+    if packed_projections(model) is not None and not config.enforce_eager and not config.enable_lora:
         load_in_background(cpu_decode_layers.load_kernel, dtype)
 
 

@@ -117,6 +117,11 @@ class Sample:
     correction: float | None = None  # observed latency P99 / predicted, at this window's batch
     level: float | None = None  # the window's step seconds / the fit's: how fast the machine ran then
 
+    @property
+    def running(self) -> float:
+        """The sequences the window ran: its mean batch, or its end batch when the batch filled up."""
+        return max(self.batch, self.end_batch or 0.0)
+
 
 @dataclass(frozen=True)
 class Change:
@@ -378,8 +383,7 @@ def tune(
     probe, refuted = None, False
     prior_down = not prediction.cost.slope_measured and best is not None and best < m
     if sample.latency_p99 > slo_latency and (decode_best is None or prior_down):
-        probe = _probe_below(history.samples, m, max(sample.batch, sample.end_batch or 0.0), slo_latency, target,
-                             seq_bounds.min, config)
+        probe = _probe_below(history.samples, m, sample.running, slo_latency, target, seq_bounds.min, config)
         if probe is None:
             refuted = prior_down
         elif decode_best is None:
@@ -464,7 +468,6 @@ def tune(
     new, limit = _move(m, best, sample, observation, seq_bounds, slo_latency, config, prediction.cost.slope_measured)
     if new == m:
         return decide(settings, f"{where} vs {slo_text}: {limit}: holding{why}", history)
-    last = history.last_change(MAX_NUM_SEQS)
     if last is not None and (last.new - last.old) * (new - m) < 0:
         # A reversal needs more than the noise band: a second window at the setting; and climbing
         # back after a decrease, a gain worth the risk of another (the best lies between the two).
@@ -555,8 +558,8 @@ def _predict(previous: tuple[Sample, ...], sample: Sample, slo: float, per_reque
         own_level = step_cost.level(sample.cost_sums, cost) if sample.cost_sums else None
     prefill_mean = cost.seconds(sample.batch, sample.prefill_chunk) * (own_level or 1.0)
     budget = sample.max_num_batched_tokens
-    tails = [s.decode_tail for s in recent[-config.correction_windows:] if s.cost_sums and not s.lagging] or \
-        [s.decode_tail for s in recent[-config.correction_windows:] if s.cost_sums]
+    measured = [s for s in recent[-config.correction_windows:] if s.cost_sums]
+    tails = [s.decode_tail for s in measured if not s.lagging] or [s.decode_tail for s in measured]
     own = Prediction(
         cost=cost,
         level=own_level or 1.0,
@@ -725,8 +728,7 @@ def _move(m: int, best: int, sample: Sample, observation: Observation, bounds, s
     if best < m:
         # At most ÷4 of the sequences running: the limit is on what a cut preempts, and a setting the
         # batch does not reach holds nothing back.
-        running = min(m, max(sample.batch, sample.end_batch or 0.0))
-        new = max(best, math.floor(running * config.max_backoff), bounds.min)
+        new = max(best, math.floor(min(m, sample.running) * config.max_backoff), bounds.min)
         return (new, "") if m - new >= max(1, config.hysteresis * m) else (m, "the predicted best is within the hysteresis")
     if best == m:
         return m, "the prediction puts the best setting here"
