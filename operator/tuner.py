@@ -71,6 +71,8 @@ class TunerConfig:
     explore_growth: float = 2.0  # before that, at most ×2 (less where the squared headroom is less)
     max_backoff: float = 0.25  # at most ÷4 of the running batch per interval downwards
     probe_share: float = 0.8  # a probe runs at most this share of the sequences that ran
+    ahead_batch: float = 4.0  # unsaturated, a batch of at least this many sequences sets max_num_seqs ahead of the load
+    ahead_headroom: float = 1.5  # ... at no less than this × the sequences running
     hysteresis: float = 0.05  # ignore moves smaller than this fraction of max_num_seqs
     saturation_fill: float = 0.8  # batch ≥ this × max_num_seqs (with a queue) counts as saturated
     filling_growth: float = 1.5  # a batch ending at ≥ this × the window's mean, saturated, filled up in the window
@@ -432,9 +434,10 @@ def tune(
     violated = itl_over and not (sample.lagging and just_cut) and \
         (sample.latency_p99 > slo_latency * (1 + band) or _over_twice(history.samples, m, slo_latency))
     history = replace(history, samples=history.samples[:-1] + (replace(sample, violated=violated),))
+    ahead = None
     if best < m and not ttft_driven:
         if not itl_over:
-            best = m
+            best = ahead = _ahead(prediction, sample, tokens, target, seq_bounds.min, m, config)
         elif sample.lagging and just_cut:
             # tuning_day.py run 8: the window after a cut of a 2x burst's 64 to 15 read 180 ms from requests
             # that had run at 63, cut again to 5, and barred 15 for the rest of the burst (held at 14 at 50 ms);
@@ -477,6 +480,11 @@ def tune(
         if new > m and new - m < max(2, config.tight_bracket * m):
             return decide(settings, f"{where} meets {slo_text}: {new} would climb back towards the setting just "
                                     f"left for less than {config.tight_bracket:.0%}: holding{why}", history)
+    if ahead is not None and new < m:
+        return decide(_with_seqs(settings, new), f"{where} meets {slo_text} with the batch below max_num_seqs: "
+                                                 f"{new} is the largest setting predicted to meet it once the load fills "
+                                                 f"the batch, and holds back none of the {sample.running:.1f} "
+                                                 f"running: max_num_seqs {m} → {new} ahead of the load{why}", history)
     if probe is not None and new < m:
         return decide(_with_seqs(settings, new), f"{where} is over {slo_text} and no setting is predicted to meet it, "
                                                  f"but {probe[1]}: measuring max_num_seqs {m} → {new}{why}", history)
@@ -709,6 +717,26 @@ def _cut(prediction: Prediction, sample: Sample, tokens: int | None, target: flo
     return max(_largest(lambda s: p.latency_p99(s, tokens) <= target, low, m - 1) or low for p in (now, own))
 
 
+def _ahead(prediction: Prediction, sample: Sample, tokens: int | None, target: float, low: int, m: int,
+           config: TunerConfig) -> int:
+    """Where max_num_seqs waits for the load in a window that meets the SLO: ``m``, or, while the batch
+    stays below it, the largest setting predicted to meet ``target`` once the load fills the batch (a
+    sequence joining as one finishes), never closer than ``ahead_headroom`` × the sequences running.
+
+    Below the batch, a setting holds nothing back, so the move costs nothing until the load rises; when
+    it does, the batch fills only as far as the SLO allows, instead of filling ``m`` and waiting for a
+    per-request latency to say so (tuning_day.py run 11: the chat and quiet phases left the default's 64
+    in place, a 2x burst filled it, and the cut to 16 and the climb to 22-26, the burst's best, took 70 s
+    of its 120). A batch of a few sequences (``ahead_batch``) tells too little of the traffic to size a
+    full one, and a setting only somewhat above the prediction stays (``tight_bracket``): it is noise."""
+    if sample.saturated or sample.filling or sample.running < config.ahead_batch or not prediction.cost.slope_measured:
+        return m
+    full = replace(prediction, admissions_follow_batch=True)
+    fits = _largest(lambda s: full.latency_p99(s, tokens) <= target, low, m) or low
+    new = max(fits, math.ceil(config.ahead_headroom * sample.running))
+    return new if new <= m * (1 - config.tight_bracket) else m
+
+
 def _decode_span(observation: Observation) -> float:
     """Seconds a slow request finishing in the window spent decoding: its end-to-end latency less its
     time to first token (P99s; the medians where they say more)."""
@@ -780,8 +808,10 @@ def _budget_move(prediction: Prediction, settings: EngineSettings, tuning: Tunin
 
 
 def _best_seen(samples: tuple[Sample, ...]) -> int | None:
-    """The setting whose window served the most tokens per second."""
-    return max(samples, key=lambda s: s.tokens_per_second).max_num_seqs if samples else None
+    """The setting whose saturated window served the most tokens per second (below saturation, the
+    throughput is the load's, not the setting's)."""
+    saturated = [s for s in samples if s.saturated]
+    return max(saturated, key=lambda s: s.tokens_per_second).max_num_seqs if saturated else None
 
 
 def _after_oom(settings: EngineSettings, tuning: Tuning, history: TuningHistory, oom_kills: int,

@@ -455,6 +455,45 @@ def test_headroom_without_a_queue_does_not_grow():
     assert final.max_num_seqs == 16 and "not saturated" in trace[-1][1]
 
 
+def test_below_saturation_max_num_seqs_waits_for_the_load_where_the_slo_allows():
+    # tuning_day.py run 11: the chat and quiet phases left the default's 64 in place (they never fill it);
+    # a 2x burst filled 64, and the cut to 16 and the climb back to 22-26, its best, took 70 s of 120.
+    within = tuning(Slo(tpot_p99_seconds=0.1))
+    cost = dict(a=0.02, b=0.0025)  # saturated, ~28 sequences meet 100 ms
+    params = EngineSettings(max_num_seqs=64, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    history, rng, reasons = TuningHistory(), random.Random(6), []
+    for i, running in enumerate([8, 12, 12]):
+        decision = tune(SimulatedEngine(**cost, arrival_limited_batch=running).window(params, rng), params, within,
+                        history, now=(i + 1) * INTERVAL)
+        params, history = decision.settings, decision.history
+        reasons.append(decision.reason)
+    assert 18 <= params.max_num_seqs < 32 and any("ahead of the load" in r for r in reasons), reasons
+    burst = SimulatedEngine(**cost)
+    assert burst.expected(params.max_num_seqs).tpot_p99 <= 0.1
+    # The load rises to fill it: the batch fills only as far as the SLO allows, with nothing to cut.
+    risen = tune(burst.window(params, rng), params, within, history, now=4 * INTERVAL)
+    assert risen.settings.max_num_seqs >= params.max_num_seqs, risen.reason
+    # A batch of a few sequences says too little about a full one: the setting stays.
+    few = tune(SimulatedEngine(**cost, arrival_limited_batch=3).window(params, rng), params, within, history,
+               now=4 * INTERVAL)
+    assert few.settings == params, few.reason
+
+
+def test_an_slo_out_of_reach_keeps_the_best_saturated_throughput_not_a_light_loads():
+    # Below saturation the throughput is the load's: a light load's window at 64 is no reason to return to 64.
+    within = tuning(Slo(itl_p99_seconds=0.25), seqs=(2, 64))
+    params = EngineSettings(max_num_seqs=64, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    history, rng = TuningHistory(), random.Random(7)
+    slow = dict(a=0.30, b=0.004)  # 300 ms a step at any batch
+    for i in range(3):
+        history = tune(SimulatedEngine(**slow, arrival_limited_batch=12).window(params, rng), params, within, history,
+                       now=(i + 1) * INTERVAL).history
+    params = params.replace(max_num_seqs=20)
+    decision = tune(SimulatedEngine(**slow, arrival_limited_batch=6).window(params, rng), params, within, history,
+                    now=4 * INTERVAL)
+    assert decision.slo_unreachable and decision.settings.max_num_seqs == 20, decision.reason
+
+
 def test_violation_without_saturation_still_backs_off():
     engine = SimulatedEngine(a=0.05, b=0.01, arrival_limited_batch=12)  # 12 running → 170 ms
     trace, final = run(engine, 64, intervals=6)
