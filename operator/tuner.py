@@ -21,15 +21,19 @@ A pure function, in four named steps, each testable on synthetic streams:
    judged by requests that ran before the batch changed (a window that filled up, or that began
    within a slow request's decode span after a cut); no growth without a queue (more sequences would
    not raise throughput) or past what the KV cache holds at the observed lengths; a move that
-   reverses the last one waits for a second window at the setting; when no setting
+   reverses the last one waits for a second window at the setting (a decrease ahead of the load, which
+   held nothing back, is no verdict to reverse); when no setting
    within the bounds is predicted to meet the SLO, the tuner measures a smaller one unless the
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
-   then says so and keeps the setting with the best throughput it has seen instead of walking down
+   then says so and keeps the setting with the best saturated throughput it has seen instead of walking down
    to the minimum (replicas are the cure).
 4. **Move** (``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
    up per interval and down to ÷4 of the running batch (a decrease acts in the engine's next step: it
    preempts the excess), and a cut no deeper than the window's own P99, carried along the fitted
-   curve, needs (``_cut``).
+   curve, needs (``_cut``); overloaded (requests turned away), growth as far as that same curve
+   through the window's own point allows. While the batch stays below ``max_num_seqs`` the setting
+   holds nothing back, so it waits for the load at the largest setting predicted to meet the target
+   once the batch fills (``_ahead``), and a burst fills only that far.
    A tail made of prefill chunks while the decode steps alone meet the SLO lowers
    ``max_num_batched_tokens`` instead (within ``spec.tuning.maxNumBatchedTokens``; without those
    bounds the tuner holds, as a smaller batch would not cure it), and a TTFT over its SLO from
@@ -377,6 +381,13 @@ def tune(
     if best is not None and best < m and prediction.latency_p99(m, tokens) <= slo_latency:
         # Between the target and the SLO: where growth stops, but no reason to come down.
         best = m
+    if overloaded and sample.saturated and not sample.lagging and sample.latency_p99 <= target and best is not None:
+        # Overloaded, every sequence more serves requests now turned away: grow as far as this window's own
+        # P99, carried along the fitted curve, allows, when the prediction (the machine's slowest recent
+        # speed, tails of recent windows) holds back (tuning_day.py run 12: a 2x burst held at 17 for 80 s,
+        # TPOT P99 77-88 ms, the prediction saying 18-19, where 25 read 99 ms).
+        own = _through(prediction, sample, tokens)
+        best = max(best, _largest(lambda s: own.latency_p99(s, tokens) <= target, m, seq_bounds.max) or best)
     decode_best = _largest(lambda s: prediction.decode_p99(s) <= target, seq_bounds.min, seq_bounds.max)
     # Windows before lines. A line fitted at large batches is an extrapolation at small ones (a step's
     # cost is concave in the batch), and until two batch sizes are fitted its slope is a prior: before
@@ -471,9 +482,10 @@ def tune(
     new, limit = _move(m, best, sample, observation, seq_bounds, slo_latency, config, prediction.cost.slope_measured)
     if new == m:
         return decide(settings, f"{where} vs {slo_text}: {limit}: holding{why}", history)
-    if last is not None and (last.new - last.old) * (new - m) < 0:
+    if last is not None and (last.new - last.old) * (new - m) < 0 and not _held_back_nothing(history.samples, last):
         # A reversal needs more than the noise band: a second window at the setting; and climbing
         # back after a decrease, a gain worth the risk of another (the best lies between the two).
+        # A decrease ahead of the load held nothing back, and says nothing of the setting it left.
         if len(_tail_at_setting(history.samples, m)) < 2:
             return decide(settings, f"{where}: the prediction says {new}, which reverses the last change; "
                                     f"confirming over one more window{why}", history)
@@ -712,9 +724,14 @@ def _cut(prediction: Prediction, sample: Sample, tokens: int | None, target: flo
     so one too shallow is taken further then, while one too deep costs throughput until the climb
     back."""
     now = replace(prediction, level=sample.level or prediction.level)
-    own = replace(prediction, correction=prediction.correction * sample.latency_p99
-                  / max(prediction.latency_p99(sample.batch, tokens), 1e-9))
+    own = _through(prediction, sample, tokens)
     return max(_largest(lambda s: p.latency_p99(s, tokens) <= target, low, m - 1) or low for p in (now, own))
+
+
+def _through(prediction: Prediction, sample: Sample, tokens: int | None) -> Prediction:
+    """The prediction's curve through the window's own point: its latency P99 at the batch it ran."""
+    return replace(prediction, correction=prediction.correction * sample.latency_p99
+                   / max(prediction.latency_p99(sample.batch, tokens), 1e-9))
 
 
 def _ahead(prediction: Prediction, sample: Sample, tokens: int | None, target: float, low: int, m: int,
@@ -743,6 +760,12 @@ def _decode_span(observation: Observation) -> float:
     spans = [(e2e or 0.0) - (ttft or 0.0) for e2e, ttft in ((observation.e2e_p99, observation.ttft_p99),
                                                             (observation.e2e_p50, observation.ttft_p50))]
     return max(spans + [0.0])
+
+
+def _held_back_nothing(samples: tuple[Sample, ...], change: Change) -> bool:
+    """The change was a decrease made while fewer sequences ran than its new setting."""
+    made = next((s for s in reversed(samples) if s.time == change.time), None)
+    return change.new < change.old and made is not None and made.running <= change.new
 
 
 def _largest(meets, low: int, high: int) -> int | None:

@@ -477,6 +477,31 @@ def test_below_saturation_max_num_seqs_waits_for_the_load_where_the_slo_allows()
     few = tune(SimulatedEngine(**cost, arrival_limited_batch=3).window(params, rng), params, within, history,
                now=4 * INTERVAL)
     assert few.settings == params, few.reason
+    # That decrease held nothing back, so it is no verdict on the settings above: a load whose steps turn out
+    # cheaper climbs past it at once, with none of the caution that follows a cut (tuning_day.py run 12: a
+    # burst held at 17 "for less than 25%" of gain, at TPOT P99 77-88 ms).
+    cheaper = SimulatedEngine(a=0.018, b=0.00225)
+    climbed = tune(cheaper.window(params, rng), params, within, history, now=4 * INTERVAL)
+    assert climbed.settings.max_num_seqs > params.max_num_seqs, climbed.reason
+    assert cheaper.expected(climbed.settings.max_num_seqs).tpot_p99 <= 0.1
+
+
+def test_overloaded_growth_goes_as_far_as_the_windows_own_point_allows():
+    # tuning_day.py run 12: through a 2x burst, requests turned away, the tuner held 17 for 80 s at TPOT P99
+    # 77-88 ms: its prediction carried the machine's slowest recent speed (x1.12) and said 18-19; 25 read 99 ms.
+    within = tuning(Slo(tpot_p99_seconds=0.1), seqs=(1, 16))
+    engine = SimulatedEngine(a=0.02, b=0.0025)
+    params = EngineSettings(max_num_seqs=8, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    history, rng = TuningHistory(), random.Random(8)
+    for i, slowdown in enumerate([1.0, 1.0, 1.0, 1.3, 1.3]):  # a neighbour, then gone
+        decision = tune(engine.window(params, rng, slowdown=slowdown), params, within, history, now=(i + 1) * INTERVAL)
+        params, history = decision.settings, decision.history
+    assert params.max_num_seqs == 16, decision.reason
+    window, within = engine.window(params, rng), tuning(Slo(tpot_p99_seconds=0.1))
+    calm = tune(window, params, within, history, now=6 * INTERVAL)
+    overloaded = tune(replace(window, rejected_per_second=2.0), params, within, history, now=6 * INTERVAL)
+    assert overloaded.settings.max_num_seqs > calm.settings.max_num_seqs > 16, (calm.reason, overloaded.reason)
+    assert engine.expected(overloaded.settings.max_num_seqs).tpot_p99 <= 0.1
 
 
 def test_an_slo_out_of_reach_keeps_the_best_saturated_throughput_not_a_light_loads():
