@@ -339,6 +339,10 @@ def tune(
     last = history.last_change(MAX_NUM_SEQS)
     just_cut = last is not None and last.new == m < last.old and \
         now - last.time < observation.window_seconds + _decode_span(observation)
+    # After a raise, the mirror: requests that ran at the smaller batch under-read the new one. Growth waits
+    # while they are most of the window (more than half of it within a decode span of the raise).
+    just_raised = kind == "TPOT" and last is not None and last.new == m > last.old and \
+        now - last.time < _decode_span(observation) + observation.window_seconds / 2
     evidence = replace(evidence, lagging=kind == "TPOT" and (evidence.filling or just_cut))
     prediction, sample = _predict(history.samples, evidence, slo_latency, kind == "TPOT", config)
     history = replace(history, samples=(history.samples + (sample,))[-config.history_length:])
@@ -469,6 +473,11 @@ def tune(
                                     f"one more window{why}", history)
         elif probe is None:
             best = _cut(prediction, sample, tokens, target, seq_bounds.min, m)
+    if best > m and just_raised:
+        # tuning_day.py run 13: 60 ms read at 16 right after 11 -> 16 sent it to 29, which read 122 ms.
+        return decide(settings, f"{where}: max_num_seqs rose to {m} {now - last.time:.0f} s ago, and the requests "
+                                f"finishing now began decoding before that (up to {_decode_span(observation):.0f} "
+                                f"s): growing again after a later window{why}", history)
     if best > m:
         bad = min((s.max_num_seqs for s in history.samples[-config.bracket_windows:]
                    if s.violated and s.max_num_seqs > m), default=None)

@@ -502,6 +502,15 @@ def test_overloaded_growth_goes_as_far_as_the_windows_own_point_allows():
     overloaded = tune(replace(window, rejected_per_second=2.0), params, within, history, now=6 * INTERVAL)
     assert overloaded.settings.max_num_seqs > calm.settings.max_num_seqs > 16, (calm.reason, overloaded.reason)
     assert engine.expected(overloaded.settings.max_num_seqs).tpot_p99 <= 0.1
+    # Right after the growth, the requests finishing ran mostly at 16: their TPOT under-reads the new setting
+    # and is no ground to grow further (tuning_day.py run 13: 60 ms read at 16 right after 11 -> 16 sent it to
+    # 29, which read 122 ms). A later window is.
+    grown = overloaded.settings
+    early = replace(engine.window(grown, rng), tpot_p99=0.061, rejected_per_second=2.0)
+    held = tune(early, grown, within, overloaded.history, now=6 * INTERVAL + 10.0)
+    assert held.settings == grown and "growing again after a later window" in held.reason, held.reason
+    later = tune(early, grown, within, overloaded.history, now=6 * INTERVAL + 40.0)
+    assert later.settings.max_num_seqs > grown.max_num_seqs, later.reason
 
 
 def test_an_slo_out_of_reach_keeps_the_best_saturated_throughput_not_a_light_loads():
