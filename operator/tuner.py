@@ -19,7 +19,8 @@ A pure function, in four named steps, each testable on synthetic streams:
    times the requests' tail, and the chunks set no tail of their own.
 3. **Guardrails** (in ``tune``): no verdict without enough samples, nor from a per-request latency
    judged by requests that ran before the batch changed (a window that filled up, or that began
-   within a slow request's decode span after a cut); no growth without a queue (more sequences would
+   within a slow request's decode span after a cut; after a raise, no further growth while most of a
+   window's requests began before it); no growth without a queue (more sequences would
    not raise throughput) or past what the KV cache holds at the observed lengths; a move that
    reverses the last one waits for a second window at the setting (a decrease ahead of the load, which
    held nothing back, is no verdict to reverse); when no setting
