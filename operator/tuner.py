@@ -26,8 +26,8 @@ A pure function, in four named steps, each testable on synthetic streams:
    held nothing back, is no verdict to reverse); when no setting
    within the bounds is predicted to meet the SLO, the tuner measures a smaller one unless the
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
-   then says so and keeps the setting with the best saturated throughput it has seen instead of walking down
-   to the minimum (replicas are the cure).
+   then says so and keeps the setting with the best saturated throughput it has seen instead of walking
+   down to the minimum (replicas are the cure).
 4. **Move** (``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
    up per interval and down to ÷4 of the running batch (a decrease acts in the engine's next step: it
    preempts the excess), and a cut no deeper than the window's own P99, carried along the fitted
@@ -504,8 +504,8 @@ def tune(
                                     f"left for less than {config.tight_bracket:.0%}: holding{why}", history)
     if ahead is not None and new < m:
         return decide(_with_seqs(settings, new), f"{where} meets {slo_text} with the batch below max_num_seqs: "
-                                                 f"{new} is the largest setting predicted to meet it once the load fills "
-                                                 f"the batch, and holds back none of the {sample.running:.1f} "
+                                                 f"{new} is the largest setting predicted to meet it once the load "
+                                                 f"fills the batch, and holds back none of the {sample.running:.1f} "
                                                  f"running: max_num_seqs {m} → {new} ahead of the load{why}", history)
     if probe is not None and new < m:
         return decide(_with_seqs(settings, new), f"{where} is over {slo_text} and no setting is predicted to meet it, "
