@@ -338,12 +338,12 @@ def tune(
     # requests finishing in the window began decoding after a cut, they ran mostly before the change.
     # Such windows neither teach the prediction its tail and correction nor confirm a setting over the SLO.
     last = history.last_change(MAX_NUM_SEQS)
-    just_cut = last is not None and last.new == m < last.old and \
-        now - last.time < observation.window_seconds + _decode_span(observation)
+    span, since = _decode_span(observation), math.inf if last is None or last.new != m else now - last.time
+    just_cut = since < observation.window_seconds + span and m < last.old
     # After a raise, the mirror: requests that ran at the smaller batch under-read the new one. Growth waits
     # while they are most of the window (more than half of it within a decode span of the raise).
-    just_raised = kind == "TPOT" and last is not None and last.new == m > last.old and \
-        now - last.time < _decode_span(observation) + observation.window_seconds / 2
+    just_raised = kind == "TPOT" and since < span + observation.window_seconds / 2 and m > last.old
+    lag = f"{since:.0f} s ago, and the requests finishing now began decoding before that (up to {span:.0f} s)"
     evidence = replace(evidence, lagging=kind == "TPOT" and (evidence.filling or just_cut))
     prediction, sample = _predict(history.samples, evidence, slo_latency, kind == "TPOT", config)
     history = replace(history, samples=(history.samples + (sample,))[-config.history_length:])
@@ -458,10 +458,8 @@ def tune(
             # tuning_day.py run 8: the window after a cut of a 2x burst's 64 to 15 read 180 ms from requests
             # that had run at 63, cut again to 5, and barred 15 for the rest of the burst (held at 14 at 50 ms);
             # run 9, waiting one window only: the second window after the cut still read 148 ms.
-            return decide(settings, f"{where}: max_num_seqs came down to {m} {now - last.time:.0f} s ago, and the "
-                                    f"requests finishing now began decoding before that (up to "
-                                    f"{_decode_span(observation):.0f} s): confirming over a later window{why}",
-                          history)
+            return decide(settings, f"{where}: max_num_seqs came down to {m} {lag}: confirming over a later "
+                                    f"window{why}", history)
         elif not violated:
             return decide(settings, f"{where} is within the noise band ({band:.0%}) over {slo_text}: confirming "
                                     f"over one more window{why}", history)
@@ -476,9 +474,8 @@ def tune(
             best = _cut(prediction, sample, tokens, target, seq_bounds.min, m)
     if best > m and just_raised:
         # tuning_day.py run 13: 60 ms read at 16 right after 11 -> 16 sent it to 29, which read 122 ms.
-        return decide(settings, f"{where}: max_num_seqs rose to {m} {now - last.time:.0f} s ago, and the requests "
-                                f"finishing now began decoding before that (up to {_decode_span(observation):.0f} "
-                                f"s): growing again after a later window{why}", history)
+        return decide(settings, f"{where}: max_num_seqs rose to {m} {lag}: growing again after a later window{why}",
+                      history)
     if best > m:
         bad = min((s.max_num_seqs for s in history.samples[-config.bracket_windows:]
                    if s.violated and s.max_num_seqs > m), default=None)
