@@ -17,7 +17,8 @@ A pure function, in four named steps, each testable on synthetic streams:
    ratio moves from window to window (a noisy node gets a wider margin, not a hunt). Under a TPOT
    SLO (a request's mean gap) the prediction is the mean step, prefill tokens spread over all steps,
    times the requests' tail, and the chunks set no tail of their own.
-3. **Guardrails** (in ``tune``): no verdict without enough samples, nor from a per-request latency
+3. **Guardrails** (``_aim``, ``_ttft_bound``, ``_verdict``, ``_growth_bound``; memory and the
+   step budget first): no verdict without enough samples, nor from a per-request latency
    judged by requests that ran before the batch changed (a window that filled up, or that began
    within a slow request's decode span after a cut; after a raise, no further growth while most of a
    window's requests began before it); no growth without a queue (more sequences would
@@ -28,7 +29,7 @@ A pure function, in four named steps, each testable on synthetic streams:
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
    then says so and keeps the setting with the best saturated throughput it has seen instead of walking
    down to the minimum (replicas are the cure).
-4. **Move** (``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
+4. **Move** (``_step``, ``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
    up per interval and down to ÷4 of the running batch (a decrease acts in the engine's next step: it
    preempts the excess), and a cut no deeper than the window's own P99, carried along the fitted
    curve, needs (``_cut``); overloaded (requests turned away), growth as far as that same curve
@@ -301,39 +302,136 @@ def tune(
 ) -> Decision:
     """Decide the next settings from the latest window, within ``tuning``'s SLO and bounds
     (the module docstring says how)."""
-
-    def decide(new: EngineSettings, reason: str, hist: TuningHistory | None = None,
-               unreachable: bool = False) -> Decision:
-        hist = history if hist is None else hist
-        changes = list(hist.changes)
-        for parameter, old, value in (
-            (MAX_NUM_SEQS, settings.max_num_seqs, new.max_num_seqs),
-            (MAX_NUM_BATCHED_TOKENS, settings.max_num_batched_tokens, new.max_num_batched_tokens),
-            (GPU_MEMORY_UTILIZATION, settings.gpu_memory_utilization, new.gpu_memory_utilization),
-        ):
-            if value != old and old is not None and value is not None:
-                changes.append(Change(now, parameter, old, value, reason))
-        hist = replace(hist, changes=tuple(changes[-config.history_length:]),
-                       unreachable_at=now if unreachable else hist.unreachable_at)
-        return Decision(new, reason, hist, settings, unreachable)
-
-    m, mem = settings.max_num_seqs, settings.gpu_memory_utilization
-    seq_bounds, slo = tuning.max_num_seqs, tuning.slo
     if oom_kills > 0:
-        return _after_oom(settings, tuning, history, oom_kills, config, decide)
+        return _after_oom(settings, tuning, history, oom_kills, now, config)
     clamped = tuning.clamp(settings)
     if clamped != settings:
-        return decide(clamped, f"the settings are outside the tuning bounds (maxNumSeqs {seq_bounds.min}.."
-                               f"{seq_bounds.max}): moving into them")
-
+        bounds = tuning.max_num_seqs
+        return _decision(settings, clamped, f"the settings are outside the tuning bounds (maxNumSeqs {bounds.min}.."
+                                            f"{bounds.max}): moving into them", history, now, config)
     # 1. Evidence.
-    kind, slo_latency = slo.token_latency or ("ITL", math.inf)
+    kind, slo_latency = tuning.slo.token_latency or ("ITL", math.inf)
     evidence = _evidence(observation, settings, kind, now, config)
     if isinstance(evidence, str):
-        return decide(settings, evidence)
+        return _decision(settings, settings, evidence, history, now, config)
     assert observation is not None
     # 2. Prediction, checked and corrected by this window's request-level P99.
-    slo_ttft = slo.ttft_p99_seconds if slo.ttft_p99_seconds is not None else math.inf
+    w = _read(observation, evidence, settings, tuning, history, now, kind, slo_latency, config)
+    # 3. Guardrails: memory and the step budget first; then each step decides, or narrows where
+    # max_num_seqs goes.
+    decision = _memory_for_preemptions(w) or _budget_for_starved_admissions(w)
+    if decision is not None:
+        return decision
+    aim = _aim(w)
+    if isinstance(aim, _Aim):
+        aim = _ttft_bound(w, aim)
+    if isinstance(aim, Decision):
+        return aim
+    # The window is a verdict on max_num_seqs from here on, recorded in its sample (one whose decision went
+    # to memory or the step budget, or found no setting in reach, says nothing of the setting).
+    w = w.judged()
+    for guard in (_verdict, _growth_bound):
+        aim = guard(w, aim)
+        if isinstance(aim, Decision):
+            return aim
+    # 4. Move.
+    return _step(w, aim)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """One window, read once for the steps after the evidence: its sample (appended to the history),
+    the prediction it checked and corrected, and what they say against the SLO at the setting in
+    effect."""
+
+    observation: Observation
+    settings: EngineSettings
+    tuning: Tuning
+    history: TuningHistory
+    now: float
+    config: TunerConfig
+    kind: str  # the SLO's per-token latency: "ITL" or "TPOT"
+    slo_latency: float  # seconds (inf: no ITL or TPOT SLO)
+    slo_ttft: float  # seconds (inf: no TTFT SLO)
+    sample: Sample
+    prediction: Prediction
+    margin: float  # below the SLO: the target
+    overloaded: bool  # requests turned away, or the TTFT SLO broken by queueing
+    last: Change | None  # the last change of max_num_seqs
+    just_cut: bool  # the requests finishing now began decoding before a cut to the setting in effect
+    just_raised: bool  # most of the window lies within a slow request's decode span of a raise to it
+    lag: str  # how long ago that change was, against the decode span
+    violated: bool  # clearly over the SLO: beyond the noise band, or over in two of the latest four windows
+
+    @property
+    def m(self) -> int:
+        return self.settings.max_num_seqs
+
+    @property
+    def target(self) -> float:
+        return self.slo_latency * (1 - self.margin)
+
+    @property
+    def tokens(self) -> int | None:
+        return self.sample.max_num_batched_tokens
+
+    @property
+    def waiting_per_pod(self) -> float:
+        return self.observation.waiting / max(self.observation.pods, 1)
+
+    @property
+    def where(self) -> str:
+        return f"{self.kind} P99 {self.sample.latency_p99 * 1e3:.0f} ms at batch {self.sample.batch:.1f}"
+
+    @property
+    def slo_text(self) -> str:
+        return f"SLO {self.slo_latency * 1e3:.0f} ms" if math.isfinite(self.slo_latency) else "no ITL or TPOT SLO"
+
+    @property
+    def why(self) -> str:
+        return f" ({self.prediction.describe()}; margin {self.margin:.0%})"
+
+    def judged(self) -> _Window:
+        """The window with its verdict on the setting recorded in its sample."""
+        samples = self.history.samples[:-1] + (replace(self.sample, violated=self.violated),)
+        return replace(self, history=replace(self.history, samples=samples), sample=samples[-1])
+
+    def decide(self, new: EngineSettings, reason: str, unreachable: bool = False) -> Decision:
+        return _decision(self.settings, new, reason, self.history, self.now, self.config, unreachable)
+
+
+@dataclass(frozen=True)
+class _Aim:
+    """Where max_num_seqs goes, as the guardrails narrow it."""
+
+    best: int
+    probe: tuple[int, str] | None = None  # a smaller setting to measure before calling the SLO out of reach, and why
+    ttft_driven: bool = False  # a TTFT near its SLO, made of prefill, bounds the batch
+    ahead: int | None = None  # a setting ahead of the load, the batch below max_num_seqs
+
+
+def _decision(previous: EngineSettings, new: EngineSettings, reason: str, history: TuningHistory, now: float,
+              config: TunerConfig, unreachable: bool = False) -> Decision:
+    """``new``, with every parameter it changes recorded in the history."""
+    changes = list(history.changes)
+    for parameter, old, value in (
+        (MAX_NUM_SEQS, previous.max_num_seqs, new.max_num_seqs),
+        (MAX_NUM_BATCHED_TOKENS, previous.max_num_batched_tokens, new.max_num_batched_tokens),
+        (GPU_MEMORY_UTILIZATION, previous.gpu_memory_utilization, new.gpu_memory_utilization),
+    ):
+        if value != old and old is not None and value is not None:
+            changes.append(Change(now, parameter, old, value, reason))
+    history = replace(history, changes=tuple(changes[-config.history_length:]),
+                      unreachable_at=now if unreachable else history.unreachable_at)
+    return Decision(new, reason, history, previous, unreachable)
+
+
+def _read(observation: Observation, evidence: Sample, settings: EngineSettings, tuning: Tuning,
+          history: TuningHistory, now: float, kind: str, slo_latency: float, config: TunerConfig) -> _Window:
+    """The window read: the prediction it checks and corrects, the margin, whether its requests lag a
+    change of the batch, and whether it was clearly over the SLO."""
+    m = settings.max_num_seqs
+    slo_ttft = tuning.slo.ttft_p99_seconds if tuning.slo.ttft_p99_seconds is not None else math.inf
     # A per-request latency (TPOT) lags the batch: in a window whose batch filled up, or until the slowest
     # requests finishing in the window began decoding after a cut, they ran mostly before the change.
     # Such windows neither teach the prediction its tail and correction nor confirm a setting over the SLO.
@@ -343,172 +441,215 @@ def tune(
     # After a raise, the mirror: requests that ran at the smaller batch under-read the new one. Growth waits
     # while they are most of the window (more than half of it within a decode span of the raise).
     just_raised = kind == "TPOT" and since < span + observation.window_seconds / 2 and m > last.old
-    lag = f"{since:.0f} s ago, and the requests finishing now began decoding before that (up to {span:.0f} s)"
     evidence = replace(evidence, lagging=kind == "TPOT" and (evidence.filling or just_cut))
     prediction, sample = _predict(history.samples, evidence, slo_latency, kind == "TPOT", config)
-    history = replace(history, samples=(history.samples + (sample,))[-config.history_length:])
-    ttft, queueing = sample.ttft_p99, observation.ttft_from_queueing
-    overloaded = observation.overloaded or (ttft is not None and queueing and ttft > slo_ttft)
+    samples = (history.samples + (sample,))[-config.history_length:]
+    ttft = sample.ttft_p99
+    overloaded = observation.overloaded or (ttft is not None and observation.ttft_from_queueing and ttft > slo_ttft)
     # Overloaded (requests turned away, or the TTFT SLO broken by queueing), every token/s drains the queue
     # that all waiting requests sit in, or admits one more request: aim at the SLO with the least margin;
     # windows over it still bring the batch down. (tuning_day.py's second run: a margin widened by the phase
     # change before a 2x burst held 23-33 sequences where 48 met the TPOT SLO, and the burst's backlog
     # outlasted the quiet phase after it.)
-    margin = config.margin if overloaded else _margin(history.samples, config)
-    target = slo_latency * (1 - margin)
-    tokens = sample.max_num_batched_tokens
-    waiting_per_pod = observation.waiting / max(observation.pods, 1)
-    where = f"{kind} P99 {sample.latency_p99 * 1e3:.0f} ms at batch {sample.batch:.1f}"
-    slo_text = f"SLO {slo_latency * 1e3:.0f} ms" if math.isfinite(slo_latency) else "no ITL or TPOT SLO"
-    why = f" ({prediction.describe()}; margin {margin:.0%})"
+    margin = config.margin if overloaded else _margin(samples, config)
+    # Clearly over: beyond the noise band of recent windows, or over in two of the latest four at the setting;
+    # a window whose requests began before a cut judges the setting before it.
+    band = _noise_band(samples, config)
+    violated = sample.latency_p99 > slo_latency and not (sample.lagging and just_cut) and \
+        (sample.latency_p99 > slo_latency * (1 + band) or _over_twice(samples, m, slo_latency))
+    return _Window(
+        observation=observation, settings=settings, tuning=tuning, history=replace(history, samples=samples),
+        now=now, config=config, kind=kind, slo_latency=slo_latency, slo_ttft=slo_ttft, sample=sample,
+        prediction=prediction, margin=margin, overloaded=overloaded, last=last, just_cut=just_cut,
+        just_raised=just_raised,
+        lag=f"{since:.0f} s ago, and the requests finishing now began decoding before that (up to {span:.0f} s)",
+        violated=violated,
+    )
 
-    # 3. Guardrails. Memory first: preemptions with a queue, window after window, mean the KV cache
-    # limits the batch.
-    if waiting_per_pod > 0 and _preempting_twice(history.samples):
-        raised = _raised_memory(mem, tuning, history, now, config)
-        if raised is not None:
-            return decide(
-                settings.replace(gpu_memory_utilization=raised),
-                f"preempting {observation.preemptions_per_second:.2f}/s with {waiting_per_pod:.1f} waiting per pod: "
-                f"the KV cache is the limit; gpu_memory_utilization {mem:g} → {raised:g}", history,
-            )
-    # Prompts waiting with slots free while every step is full: the step budget, not the batch, holds
-    # admission back (tuning_day.py's first run lowered it to 64 for prefill spikes, and a 2x burst then
-    # ran 38 of 64 slots with 300 waiting and a TTFT P99 of 84 s).
-    if sample.starved and tuning.max_num_batched_tokens is not None and tokens is not None and \
-            tokens < tuning.max_num_batched_tokens.max:
-        raised = _budget_move(prediction, settings, tuning, history, target, now,
-                              f"{waiting_per_pod:.0f} waiting per pod with batch {sample.batch:.1f} of {m}, every step "
-                              f"full: the step budget admits prompts too slowly", decide, grow=True)
-        return replace(raised, history=replace(raised.history, budget_floor=raised.settings.max_num_batched_tokens,
-                                               budget_floor_at=now))
-    best = _largest(lambda s: prediction.latency_p99(s, tokens) <= target, seq_bounds.min, seq_bounds.max)
-    if best is not None and best < m and prediction.latency_p99(m, tokens) <= slo_latency:
+
+def _memory_for_preemptions(w: _Window) -> Decision | None:
+    """Preemptions with a queue, window after window, mean the KV cache limits the batch: more memory."""
+    if w.waiting_per_pod <= 0 or not _preempting_twice(w.history.samples):
+        return None
+    mem = w.settings.gpu_memory_utilization
+    raised = _raised_memory(mem, w.tuning, w.history, w.now, w.config)
+    if raised is None:
+        return None
+    return w.decide(w.settings.replace(gpu_memory_utilization=raised),
+                    f"preempting {w.observation.preemptions_per_second:.2f}/s with {w.waiting_per_pod:.1f} waiting "
+                    f"per pod: the KV cache is the limit; gpu_memory_utilization {mem:g} → {raised:g}")
+
+
+def _budget_for_starved_admissions(w: _Window) -> Decision | None:
+    """Prompts waiting with slots free while every step is full: the step budget, not the batch, holds
+    admission back, so it rises, and is not lowered below that for a while (tuning_day.py's first run
+    lowered it to 64 for prefill spikes, and a 2x burst then ran 38 of 64 slots with 300 waiting and a
+    TTFT P99 of 84 s)."""
+    bounds, tokens = w.tuning.max_num_batched_tokens, w.tokens
+    if not w.sample.starved or bounds is None or tokens is None or tokens >= bounds.max:
+        return None
+    raised = _budget_move(w, f"{w.waiting_per_pod:.0f} waiting per pod with batch {w.sample.batch:.1f} of {w.m}, "
+                             f"every step full: the step budget admits prompts too slowly", grow=True)
+    return replace(raised, history=replace(raised.history, budget_floor=raised.settings.max_num_batched_tokens,
+                                           budget_floor_at=w.now))
+
+
+def _aim(w: _Window) -> _Aim | Decision:
+    """The largest setting predicted to meet the target; a smaller step budget where prefill chunks
+    set the tail; the SLO called out of reach where no setting is predicted to meet it."""
+    m, sample, prediction, tokens, target = w.m, w.sample, w.prediction, w.tokens, w.target
+    bounds = w.tuning.max_num_seqs
+    best = _largest(lambda s: prediction.latency_p99(s, tokens) <= target, bounds.min, bounds.max)
+    if best is not None and best < m and prediction.latency_p99(m, tokens) <= w.slo_latency:
         # Between the target and the SLO: where growth stops, but no reason to come down.
         best = m
-    if overloaded and sample.saturated and not sample.lagging and sample.latency_p99 <= target and best is not None:
+    if w.overloaded and sample.saturated and not sample.lagging and sample.latency_p99 <= target and best is not None:
         # Overloaded, every sequence more serves requests now turned away: grow as far as this window's own
         # P99, carried along the fitted curve, allows, when the prediction (the machine's slowest recent
         # speed, tails of recent windows) holds back (tuning_day.py run 12: a 2x burst held at 17 for 80 s,
         # TPOT P99 77-88 ms, the prediction saying 18-19, where 25 read 99 ms).
         own = _through(prediction, sample, tokens)
-        best = max(best, _largest(lambda s: own.latency_p99(s, tokens) <= target, m, seq_bounds.max) or best)
-    decode_best = _largest(lambda s: prediction.decode_p99(s) <= target, seq_bounds.min, seq_bounds.max)
+        best = max(best, _largest(lambda s: own.latency_p99(s, tokens) <= target, m, bounds.max) or best)
+    decode_best = _largest(lambda s: prediction.decode_p99(s) <= target, bounds.min, bounds.max)
     # Windows before lines. A line fitted at large batches is an extrapolation at small ones (a step's
     # cost is concave in the batch), and until two batch sizes are fitted its slope is a prior: before
     # the SLO is called out of reach, or a prior sends the batch down, the windows say whether a
     # smaller setting can meet it.
     probe, refuted = None, False
     prior_down = not prediction.cost.slope_measured and best is not None and best < m
-    if sample.latency_p99 > slo_latency and (decode_best is None or prior_down):
-        probe = _probe_below(history.samples, m, sample.running, slo_latency, target, seq_bounds.min, config)
+    if sample.latency_p99 > w.slo_latency and (decode_best is None or prior_down):
+        probe = _probe_below(w.history.samples, m, sample.running, w.slo_latency, target, bounds.min, w.config)
         if probe is None:
             refuted = prior_down
         elif decode_best is None:
             best = decode_best = probe[0]
         else:
             best, probe = max(best, probe[0]), None  # a prior's move, no further than the windows' curve
-    if best is None and sample.latency_p99 <= slo_latency:
+    if best is None and sample.latency_p99 <= w.slo_latency:
         best = m  # the window meets the SLO: the prediction errs at this batch, not the setting
     if (best is None or best < m) and decode_best is not None and decode_best >= m and \
-            tuning.max_num_batched_tokens is not None:
+            w.tuning.max_num_batched_tokens is not None:
         # The tail is prefill chunks sharing decode steps: a smaller budget per step cures it.
-        return _budget_move(prediction, settings, tuning, history, target, now, f"{where}: steps carrying prefill "
-                            f"chunks set the tail{why}", decide, grow=False)
+        return _budget_move(w, f"{w.where}: steps carrying prefill chunks set the tail{w.why}", grow=False)
     if best is None or refuted:
         prefill_made = best is None and decode_best is not None
-        kept = m if prefill_made else (_best_seen(history.samples) or m)
+        kept = m if prefill_made else (_best_seen(w.history.samples) or m)
         cause = ("the tail comes from steps carrying prefill chunks, which a smaller batch does not cure "
                  "(bounds in spec.tuning.maxNumBatchedTokens let the tuner cap them)"
-                 if prefill_made else f"even {seq_bounds.min} sequences are predicted over it")
-        return decide(_with_seqs(settings, kept),
-                      f"{where}: no maxNumSeqs within {seq_bounds.min}..{seq_bounds.max} is predicted to meet "
-                      f"{slo_text}: {cause}; keeping {kept}, the best throughput seen, for the autoscaler's "
-                      f"replicas to relieve{why}", history, unreachable=True)
-    ttft_driven = ttft is not None and not queueing and ttft > slo_ttft * (1 - margin)
+                 if prefill_made else f"even {bounds.min} sequences are predicted over it")
+        return w.decide(_with_seqs(w.settings, kept),
+                        f"{w.where}: no maxNumSeqs within {bounds.min}..{bounds.max} is predicted to meet "
+                        f"{w.slo_text}: {cause}; keeping {kept}, the best throughput seen, for the autoscaler's "
+                        f"replicas to relieve{w.why}", unreachable=True)
+    return _Aim(best, probe)
+
+
+def _ttft_bound(w: _Window, aim: _Aim) -> _Aim | Decision:
+    """The TTFT SLO, by where the time to first token goes: made of prefill, a larger step budget where
+    the ITL allows it, else a smaller batch; made of queueing with no ITL SLO to bound the trade, no
+    growth (replicas are the cure)."""
+    m, ttft, best = w.m, w.sample.ttft_p99, aim.best
+    queueing = w.observation.ttft_from_queueing
+    ttft_driven = ttft is not None and not queueing and ttft > w.slo_ttft * (1 - w.margin)
     if ttft_driven:
-        # A TTFT made of prefill: the steps are too slow for prompts to get through. A larger step
-        # budget moves prompts faster where the ITL allows it; otherwise a smaller batch does.
-        if ttft > slo_ttft and tuning.max_num_batched_tokens is not None and tokens is not None:
-            larger = tuning.max_num_batched_tokens.clamp(tokens * config.tokens_step)
-            if larger > tokens and prediction.latency_p99(m, larger) <= target:
-                return _budget_move(prediction, settings, tuning, history, target, now,
-                                    f"TTFT P99 {ttft:.2f} s > TTFT SLO {slo_ttft:g} s from prefill, with ITL "
-                                    f"headroom{why}", decide, grow=True)
-        best = min(best, m) if ttft <= slo_ttft else min(best, math.floor(m * slo_ttft * (1 - margin) / ttft), m - 1)
-        best = max(best, seq_bounds.min)
-    if best > m and ttft is not None and queueing and not math.isfinite(slo_latency):
-        return decide(settings, f"TTFT P99 {ttft:.2f} s is mostly queueing, which more replicas cure; with no ITL "
-                                "SLO to bound the trade, not growing the batch: holding", history)
+        bounds, tokens = w.tuning.max_num_batched_tokens, w.tokens
+        if ttft > w.slo_ttft and bounds is not None and tokens is not None:
+            larger = bounds.clamp(tokens * w.config.tokens_step)
+            if larger > tokens and w.prediction.latency_p99(m, larger) <= w.target:
+                return _budget_move(w, f"TTFT P99 {ttft:.2f} s > TTFT SLO {w.slo_ttft:g} s from prefill, with ITL "
+                                       f"headroom{w.why}", grow=True)
+        best = min(best, m) if ttft <= w.slo_ttft else \
+            min(best, math.floor(m * w.slo_ttft * (1 - w.margin) / ttft), m - 1)
+        best = max(best, w.tuning.max_num_seqs.min)
+    if best > m and ttft is not None and queueing and not math.isfinite(w.slo_latency):
+        return w.decide(w.settings, f"TTFT P99 {ttft:.2f} s is mostly queueing, which more replicas cure; with no "
+                                    "ITL SLO to bound the trade, not growing the batch: holding")
+    return replace(aim, best=best, ttft_driven=ttft_driven)
 
-    # Near the SLO a verdict needs evidence that tells the setting from it. Coming down rests on the
-    # windows: one clearly over (beyond the noise band of recent windows) or two of the latest four, and
-    # then aims where this window's conditions would meet the target. Going up never returns to a
-    # setting recently confirmed over the SLO.
-    band = _noise_band(history.samples, config)
-    itl_over = sample.latency_p99 > slo_latency
-    violated = itl_over and not (sample.lagging and just_cut) and \
-        (sample.latency_p99 > slo_latency * (1 + band) or _over_twice(history.samples, m, slo_latency))
-    history = replace(history, samples=history.samples[:-1] + (replace(sample, violated=violated),))
-    ahead = None
-    if best < m and not ttft_driven:
-        if not itl_over:
-            best = ahead = _ahead(prediction, sample, tokens, target, seq_bounds.min, m, config)
-        elif sample.lagging and just_cut:
-            # tuning_day.py run 8: the window after a cut of a 2x burst's 64 to 15 read 180 ms from requests
-            # that had run at 63, cut again to 5, and barred 15 for the rest of the burst (held at 14 at 50 ms);
-            # run 9, waiting one window only: the second window after the cut still read 148 ms.
-            return decide(settings, f"{where}: max_num_seqs came down to {m} {lag}: confirming over a later "
-                                    f"window{why}", history)
-        elif not violated:
-            return decide(settings, f"{where} is within the noise band ({band:.0%}) over {slo_text}: confirming "
-                                    f"over one more window{why}", history)
-        elif sample.filling and not (len(history.samples) > 1 and history.samples[-2].filling):
-            # A per-request latency lags the load: the requests finishing in a window whose batch filled up
-            # ran mostly before, under the traffic that came before (tuning_day.py's third and fourth runs:
-            # the first window of a 2x burst read the long-prompt phase's TPOT and cut 64 to 16).
-            return decide(settings, f"{where}: the batch filled up during this window (ending saturated, with a "
+
+def _verdict(w: _Window, aim: _Aim) -> _Aim | Decision:
+    """Coming down. Below the SLO with the batch under the setting, the setting waits ahead of the load
+    (``_ahead``). Over it, a verdict needs evidence that tells the setting from the SLO: a window clearly
+    over (beyond the noise band of recent windows) or over in two of the latest four, whose requests
+    ran at this batch; then the cut aims where this window's conditions would meet the target."""
+    m, sample = w.m, w.sample
+    if aim.best >= m or aim.ttft_driven:
+        return aim
+    if sample.latency_p99 <= w.slo_latency:
+        ahead = _ahead(w.prediction, sample, w.tokens, w.target, w.tuning.max_num_seqs.min, m, w.config)
+        return replace(aim, best=ahead, ahead=ahead)
+    if sample.lagging and w.just_cut:
+        # tuning_day.py run 8: the window after a cut of a 2x burst's 64 to 15 read 180 ms from requests
+        # that had run at 63, cut again to 5, and barred 15 for the rest of the burst (held at 14 at 50 ms);
+        # run 9, waiting one window only: the second window after the cut still read 148 ms.
+        return w.decide(w.settings, f"{w.where}: max_num_seqs came down to {m} {w.lag}: confirming over a later "
+                                    f"window{w.why}")
+    if not sample.violated:
+        band = _noise_band(w.history.samples, w.config)
+        return w.decide(w.settings, f"{w.where} is within the noise band ({band:.0%}) over {w.slo_text}: "
+                                    f"confirming over one more window{w.why}")
+    samples = w.history.samples
+    if sample.filling and not (len(samples) > 1 and samples[-2].filling):
+        # A per-request latency lags the load: the requests finishing in a window whose batch filled up
+        # ran mostly before, under the traffic that came before (tuning_day.py's third and fourth runs:
+        # the first window of a 2x burst read the long-prompt phase's TPOT and cut 64 to 16).
+        return w.decide(w.settings, f"{w.where}: the batch filled up during this window (ending saturated, with a "
                                     f"queue): the requests it judged ran before the load changed; confirming over "
-                                    f"one more window{why}", history)
-        elif probe is None:
-            best = _cut(prediction, sample, tokens, target, seq_bounds.min, m)
-    if best > m and just_raised:
-        # tuning_day.py run 13: 60 ms read at 16 right after 11 -> 16 sent it to 29, which read 122 ms.
-        return decide(settings, f"{where}: max_num_seqs rose to {m} {lag}: growing again after a later window{why}",
-                      history)
-    if best > m:
-        bad = min((s.max_num_seqs for s in history.samples[-config.bracket_windows:]
-                   if s.violated and s.max_num_seqs > m), default=None)
-        if bad is not None and best >= bad:
-            best = bad - 1
-            if best <= m:
-                return decide(settings, f"{where} meets {slo_text}; {bad} was confirmed over it lately: holding"
-                                        f"{why}", history)
+                                    f"one more window{w.why}")
+    if aim.probe is None:
+        return replace(aim, best=_cut(w.prediction, sample, w.tokens, w.target, w.tuning.max_num_seqs.min, m))
+    return aim
 
-    # 4. Move.
-    new, limit = _move(m, best, sample, observation, seq_bounds, slo_latency, config, prediction.cost.slope_measured)
+
+def _growth_bound(w: _Window, aim: _Aim) -> _Aim | Decision:
+    """Going up: not while the window's requests mostly ran before the last raise, and never back to a
+    setting recently confirmed over the SLO."""
+    m, best = w.m, aim.best
+    if best <= m:
+        return aim
+    if w.just_raised:
+        # tuning_day.py run 13: 60 ms read at 16 right after 11 -> 16 sent it to 29, which read 122 ms.
+        return w.decide(w.settings, f"{w.where}: max_num_seqs rose to {m} {w.lag}: growing again after a later "
+                                    f"window{w.why}")
+    bad = min((s.max_num_seqs for s in w.history.samples[-w.config.bracket_windows:]
+               if s.violated and s.max_num_seqs > m), default=None)
+    if bad is None or best < bad:
+        return aim
+    if bad - 1 <= m:
+        return w.decide(w.settings, f"{w.where} meets {w.slo_text}; {bad} was confirmed over it lately: holding"
+                                    f"{w.why}")
+    return replace(aim, best=bad - 1)
+
+
+def _step(w: _Window, aim: _Aim) -> Decision:
+    """The move towards the aim (``_move``), unless it reverses the last change on too little evidence."""
+    m, sample, last = w.m, w.sample, w.last
+    new, limit = _move(m, aim.best, sample, w.observation, w.tuning.max_num_seqs, w.slo_latency, w.config,
+                       w.prediction.cost.slope_measured)
+    where, why, slo_text = w.where, w.why, w.slo_text
     if new == m:
-        return decide(settings, f"{where} vs {slo_text}: {limit}: holding{why}", history)
-    if last is not None and (last.new - last.old) * (new - m) < 0 and not _held_back_nothing(history.samples, last):
+        return w.decide(w.settings, f"{where} vs {slo_text}: {limit}: holding{why}")
+    if last is not None and (last.new - last.old) * (new - m) < 0 and not _held_back_nothing(w.history.samples, last):
         # A reversal needs more than the noise band: a second window at the setting; and climbing
         # back after a decrease, a gain worth the risk of another (the best lies between the two).
         # A decrease ahead of the load held nothing back, and says nothing of the setting it left.
-        if len(_tail_at_setting(history.samples, m)) < 2:
-            return decide(settings, f"{where}: the prediction says {new}, which reverses the last change; "
-                                    f"confirming over one more window{why}", history)
-        if new > m and new - m < max(2, config.tight_bracket * m):
-            return decide(settings, f"{where} meets {slo_text}: {new} would climb back towards the setting just "
-                                    f"left for less than {config.tight_bracket:.0%}: holding{why}", history)
-    if ahead is not None and new < m:
-        return decide(_with_seqs(settings, new), f"{where} meets {slo_text} with the batch below max_num_seqs: "
-                                                 f"{new} is the largest setting predicted to meet it once the load "
-                                                 f"fills the batch, and holds back none of the {sample.running:.1f} "
-                                                 f"running: max_num_seqs {m} → {new} ahead of the load{why}", history)
-    if probe is not None and new < m:
-        return decide(_with_seqs(settings, new), f"{where} is over {slo_text} and no setting is predicted to meet it, "
-                                                 f"but {probe[1]}: measuring max_num_seqs {m} → {new}{why}", history)
+        if len(_tail_at_setting(w.history.samples, m)) < 2:
+            return w.decide(w.settings, f"{where}: the prediction says {new}, which reverses the last change; "
+                                        f"confirming over one more window{why}")
+        if new > m and new - m < max(2, w.config.tight_bracket * m):
+            return w.decide(w.settings, f"{where} meets {slo_text}: {new} would climb back towards the setting just "
+                                        f"left for less than {w.config.tight_bracket:.0%}: holding{why}")
+    if aim.ahead is not None and new < m:
+        return w.decide(_with_seqs(w.settings, new),
+                        f"{where} meets {slo_text} with the batch below max_num_seqs: {new} is the largest setting "
+                        f"predicted to meet it once the load fills the batch, and holds back none of the "
+                        f"{sample.running:.1f} running: max_num_seqs {m} → {new} ahead of the load{why}")
+    if aim.probe is not None and new < m:
+        return w.decide(_with_seqs(w.settings, new),
+                        f"{where} is over {slo_text} and no setting is predicted to meet it, but {aim.probe[1]}: "
+                        f"measuring max_num_seqs {m} → {new}{why}")
     verb = "leaves room under" if new > m else "is over the target for"
-    return decide(_with_seqs(settings, new), f"{where} {verb} {slo_text}: max_num_seqs {m} → {new}{why}", history)
+    return w.decide(_with_seqs(w.settings, new), f"{where} {verb} {slo_text}: max_num_seqs {m} → {new}{why}")
 
 
 def _evidence(observation: Observation | None, settings: EngineSettings, kind: str, now: float,
@@ -809,32 +950,29 @@ def _move(m: int, best: int, sample: Sample, observation: Observation, bounds, s
     return new, ""
 
 
-def _budget_move(prediction: Prediction, settings: EngineSettings, tuning: Tuning, history: TuningHistory,
-                 target: float, now: float, why: str, decide, *, grow: bool) -> Decision:
+def _budget_move(w: _Window, why: str, *, grow: bool) -> Decision:
     """A new max_num_batched_tokens: ×2 up for prefill that is too slow or a queue it starves, or down
     to the largest budget whose chunks are predicted to meet the ITL target (at most ÷2 per interval),
     never again below the one that relieved a queue it starved lately."""
-    bounds = tuning.max_num_batched_tokens
+    bounds, history, config = w.tuning.max_num_batched_tokens, w.history, w.config
     assert bounds is not None
-    config, m = prediction.config, settings.max_num_seqs
-    tokens = settings.max_num_batched_tokens or bounds.max
+    tokens = w.settings.max_num_batched_tokens or bounds.max
     if grow:
         new = bounds.clamp(tokens * config.tokens_step)
     else:
-        fits = min(prediction.budget_for(m, target), tokens)
-        new = max(math.floor(fits), math.ceil(tokens / config.tokens_step), bounds.min, m)
+        fits = min(w.prediction.budget_for(w.m, w.target), tokens)
+        new = max(math.floor(fits), math.ceil(tokens / config.tokens_step), bounds.min, w.m)
         floor = history.budget_floor
         if floor is not None and history.budget_floor_at is not None and \
-                now - history.budget_floor_at < config.budget_floor_seconds:
+                w.now - history.budget_floor_at < config.budget_floor_seconds:
             new = max(new, floor)
             if new >= tokens:
-                return decide(settings, f"{why}; a smaller budget starved the queue lately ({floor} relieved it): "
-                                        "holding", history)
+                return w.decide(w.settings, f"{why}; a smaller budget starved the queue lately ({floor} relieved "
+                                            "it): holding")
     if new == tokens:
-        return decide(settings, f"{why}; max_num_batched_tokens is at its bound {tokens}: holding", history,
-                      unreachable=not grow)
-    return decide(settings.replace(max_num_batched_tokens=new),
-                  f"{why}: max_num_batched_tokens {tokens} → {new}", history)
+        return w.decide(w.settings, f"{why}; max_num_batched_tokens is at its bound {tokens}: holding",
+                        unreachable=not grow)
+    return w.decide(w.settings.replace(max_num_batched_tokens=new), f"{why}: max_num_batched_tokens {tokens} → {new}")
 
 
 def _best_seen(samples: tuple[Sample, ...]) -> int | None:
@@ -844,8 +982,8 @@ def _best_seen(samples: tuple[Sample, ...]) -> int | None:
     return max(saturated, key=lambda s: s.tokens_per_second).max_num_seqs if saturated else None
 
 
-def _after_oom(settings: EngineSettings, tuning: Tuning, history: TuningHistory, oom_kills: int,
-               config: TunerConfig, decide) -> Decision:
+def _after_oom(settings: EngineSettings, tuning: Tuning, history: TuningHistory, oom_kills: int, now: float,
+               config: TunerConfig) -> Decision:
     """Down two memory steps after an out-of-memory kill, never again up to that fraction; at the
     lowest fraction allowed, fewer sequences instead."""
     mem, m = settings.gpu_memory_utilization, settings.max_num_seqs
@@ -853,13 +991,13 @@ def _after_oom(settings: EngineSettings, tuning: Tuning, history: TuningHistory,
     hist = replace(history, oom_memory_ceiling=ceiling)
     lowered = tuning.gpu_memory_utilization.clamp(mem - 2 * config.memory_step)
     if lowered < mem:
-        return decide(settings.replace(gpu_memory_utilization=lowered),
-                      f"{oom_kills} pod(s) ran out of memory at gpu_memory_utilization {mem:g}: lowering it to "
-                      f"{lowered:g}", hist)
+        return _decision(settings, settings.replace(gpu_memory_utilization=lowered),
+                         f"{oom_kills} pod(s) ran out of memory at gpu_memory_utilization {mem:g}: lowering it to "
+                         f"{lowered:g}", hist, now, config)
     backed = tuning.max_num_seqs.clamp(m * 0.75)
-    return decide(_with_seqs(settings, backed),
-                  f"{oom_kills} pod(s) ran out of memory at the lowest allowed gpu_memory_utilization {mem:g}: "
-                  f"lowering max_num_seqs {m} → {backed}", hist)
+    return _decision(settings, _with_seqs(settings, backed),
+                     f"{oom_kills} pod(s) ran out of memory at the lowest allowed gpu_memory_utilization {mem:g}: "
+                     f"lowering max_num_seqs {m} → {backed}", hist, now, config)
 
 
 def _with_seqs(settings: EngineSettings, seqs: int) -> EngineSettings:
