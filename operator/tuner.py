@@ -435,9 +435,13 @@ def _read(observation: Observation, evidence: Sample, settings: EngineSettings, 
     # A per-request latency (TPOT) lags the batch: in a window whose batch filled up, or until the slowest
     # requests finishing in the window began decoding after a cut, they ran mostly before the change.
     # Such windows neither teach the prediction its tail and correction nor confirm a setting over the SLO.
+    # A decrease ahead of the load held no sequence back: the requests after it ran at the batch they would
+    # have run at anyway (tuning_day.py run 16: 58 -> 35 ahead of a phase with a CPU-bound neighbour, then
+    # 40 s at 35 reading 122-125 ms, each window put down to the lag after a cut).
     last = history.last_change(MAX_NUM_SEQS)
     span, since = _decode_span(observation), math.inf if last is None or last.new != m else now - last.time
-    just_cut = since < observation.window_seconds + span and m < last.old
+    just_cut = since < observation.window_seconds + span and m < last.old and \
+        not _held_back_nothing(history.samples, last)
     # After a raise, the mirror: requests that ran at the smaller batch under-read the new one. Growth waits
     # while they are most of the window (more than half of it within a decode span of the raise).
     just_raised = kind == "TPOT" and since < span + observation.window_seconds / 2 and m > last.old

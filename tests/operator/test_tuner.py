@@ -486,6 +486,26 @@ def test_below_saturation_max_num_seqs_waits_for_the_load_where_the_slo_allows()
     assert cheaper.expected(climbed.settings.max_num_seqs).tpot_p99 <= 0.1
 
 
+def test_a_decrease_ahead_of_the_load_is_judged_by_the_first_window_the_load_fills():
+    # tuning_day.py run 16: a quiet window set 58 -> 35 ahead of the load; the next phase, with a CPU-bound
+    # neighbour, filled 35 and read 122-125 ms for 40 s, each window put down to the lag after a cut, though
+    # the cut had held no sequence back: its requests ran at the batch they would have run at anyway.
+    within = tuning(Slo(tpot_p99_seconds=0.1))
+    cost = dict(a=0.02, b=0.0025)
+    params = EngineSettings(max_num_seqs=64, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    history, rng = TuningHistory(), random.Random(6)
+    for i, running in enumerate([8, 12, 12]):
+        decision = tune(SimulatedEngine(**cost, arrival_limited_batch=running).window(params, rng), params, within,
+                        history, now=(i + 1) * INTERVAL)
+        params, history = decision.settings, decision.history
+    ahead = history.last_change("maxNumSeqs")
+    assert ahead is not None and "ahead of the load" in ahead.reason and params.max_num_seqs < 64
+    slowed = SimulatedEngine(**cost).window(params, rng, slowdown=1.6)
+    assert slowed.tpot_p99 > 0.11
+    cut = tune(slowed, params, within, history, now=ahead.time + 10.0)
+    assert cut.settings.max_num_seqs < params.max_num_seqs and cut.history.samples[-1].violated, cut.reason
+
+
 def test_overloaded_growth_goes_as_far_as_the_windows_own_point_allows():
     # tuning_day.py run 12: through a 2x burst, requests turned away, the tuner held 17 for 80 s at TPOT P99
     # 77-88 ms: its prediction carried the machine's slowest recent speed (x1.12) and said 18-19; 25 read 99 ms.
