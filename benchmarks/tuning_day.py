@@ -419,6 +419,7 @@ class Tick:
     waiting: float | None
     preemptions: float | None  # kvpilot_preemptions_total at the scrape
     reason: str = ""
+    observation: dict | None = None  # the window the tuner read, to replay its decisions offline
 
 
 async def watch(url: str, admin: str, ticks: int, interval: float, t0: float, tuning: Tuning | None) -> list[Tick]:
@@ -452,8 +453,9 @@ async def watch(url: str, admin: str, ticks: int, interval: float, t0: float, tu
                     collector.restart_windows(expect_max_num_seqs=decision.settings.max_num_seqs)
                 settings, history, reason = decision.settings, decision.history, decision.reason
             seqs, tokens = settings.max_num_seqs, settings.max_num_batched_tokens or tokens
+        observed = asdict(metrics.service) if tuning is not None and metrics.service is not None else None
         trace.append(Tick(time.monotonic() - t0, seqs, tokens, gauges.get(names.REQUESTS_RUNNING),
-                          gauges.get(names.REQUESTS_WAITING), count.get(names.PREEMPTIONS), reason))
+                          gauges.get(names.REQUESTS_WAITING), count.get(names.PREEMPTIONS), reason, observed))
         if changed:  # as the operator: the next window starts after the admission burst
             await asyncio.sleep(settle_seconds(interval))
             collector.ingest(await asyncio.to_thread(client.scrape, {POD: url}), time.time())
