@@ -214,6 +214,8 @@ def test_scaling_down_under_load_fails_no_request(cluster, kube, gateway_url):
 
 def test_a_service_at_zero_replicas_answers_its_first_request_after_the_cold_start(cluster, kube, gateway_url,
                                                                                    smollm2_gguf):
+    for name, served in SERVICES.items():  # the node's other engines up and idle, as after the tests before
+        _wait(cluster, lambda s=served: _routable(gateway_url, s, 1), ENGINE_READY_S, f"{name} routable and Ready")
     cold = _service("cold", "cold", smollm2_gguf)  # the demo's real model file: the cold start a user sees
     cold["spec"]["replicas"] = 0
     _apply(cluster, cold)
