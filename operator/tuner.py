@@ -20,11 +20,11 @@ A pure function, in four named steps, each testable on synthetic streams:
 3. **Guardrails** (``_aim``, ``_ttft_bound``, ``_verdict``, ``_growth_bound``; memory and the
    step budget first): no verdict without enough samples, nor from a per-request latency
    judged by requests that ran before the batch changed (a window that filled up, or that began
-   within a slow request's decode span after a cut; after a raise, no further growth while most of a
-   window's requests began before it); no growth without a queue (more sequences would
-   not raise throughput) or past what the KV cache holds at the observed lengths; a move that
-   reverses the last one waits for a second window at the setting (a decrease ahead of the load, which
-   held nothing back, is no verdict to reverse); when no setting
+   within a slow request's decode span after a cut that held sequences back; after a raise, no
+   further growth while most of a window's requests began before it); no growth without a queue
+   (more sequences would not raise throughput) or past what the KV cache holds at the observed
+   lengths; a move that reverses the last one waits for a second window at the setting (a decrease
+   ahead of the load, which held nothing back, is no verdict to reverse); when no setting
    within the bounds is predicted to meet the SLO, the tuner measures a smaller one unless the
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
    then says so and keeps the setting with the best saturated throughput it has seen instead of walking
