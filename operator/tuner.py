@@ -361,6 +361,7 @@ class _Window:
     just_cut: bool  # the requests finishing now began decoding before a cut to the setting in effect
     just_raised: bool  # most of the window lies within a slow request's decode span of a raise to it
     lag: str  # how long ago that change was, against the decode span
+    band: float  # how far a window's P99 strays from the line by chance (``_noise_band``)
     violated: bool  # clearly over the SLO: beyond the noise band, or over in two of the latest four windows
 
     @property
@@ -467,7 +468,7 @@ def _read(observation: Observation, evidence: Sample, settings: EngineSettings, 
         prediction=prediction, margin=margin, overloaded=overloaded, last=last, just_cut=just_cut,
         just_raised=just_raised,
         lag=f"{since:.0f} s ago, and the requests finishing now began decoding before that (up to {span:.0f} s)",
-        violated=violated,
+        band=band, violated=violated,
     )
 
 
@@ -589,8 +590,7 @@ def _verdict(w: _Window, aim: _Aim) -> _Aim | Decision:
         return w.decide(w.settings, f"{w.where}: max_num_seqs came down to {m} {w.lag}: confirming over a later "
                                     f"window{w.why}")
     if not sample.violated:
-        band = _noise_band(w.history.samples, w.config)
-        return w.decide(w.settings, f"{w.where} is within the noise band ({band:.0%}) over {w.slo_text}: "
+        return w.decide(w.settings, f"{w.where} is within the noise band ({w.band:.0%}) over {w.slo_text}: "
                                     f"confirming over one more window{w.why}")
     samples = w.history.samples
     if sample.filling and not (len(samples) > 1 and samples[-2].filling):
