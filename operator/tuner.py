@@ -16,7 +16,9 @@ A pure function, in four named steps, each testable on synthetic streams:
    corrects its predictions the same way), and the margin below the SLO grows with how much that
    ratio moves from window to window (a noisy node gets a wider margin, not a hunt). Under a TPOT
    SLO (a request's mean gap) the prediction is the mean step, prefill tokens spread over all steps,
-   times the requests' tail, and the chunks set no tail of their own.
+   times the requests' tail, and the chunks set no tail of their own; a TPOT over the SLO while the
+   decode steps alone meet it, below saturation, is arriving prompts' prefill, which no setting above
+   the running batch changes (``_tpot_tail_from_arrivals``).
 3. **Guardrails** (``_aim``, ``_ttft_bound``, ``_verdict``, ``_growth_bound``; memory and the
    step budget first): no verdict without enough samples, nor from a per-request latency
    judged by requests that ran before the batch changed (a window that filled up, or that began
@@ -504,6 +506,9 @@ def _aim(w: _Window) -> _Aim | Decision:
     set the tail; the SLO called out of reach where no setting is predicted to meet it."""
     m, sample, prediction, tokens, target = w.m, w.sample, w.prediction, w.tokens, w.target
     bounds = w.tuning.max_num_seqs
+    prefill_made = _tpot_tail_from_arrivals(w)
+    if prefill_made is not None:
+        return w.decide(w.settings, prefill_made, unreachable=True)
     best = _largest(lambda s: prediction.latency_p99(s, tokens) <= target, bounds.min, bounds.max)
     if best is not None and best < m and prediction.latency_p99(m, tokens) <= w.slo_latency:
         # Between the target and the SLO: where growth stops, but no reason to come down.
@@ -547,6 +552,28 @@ def _aim(w: _Window) -> _Aim | Decision:
                         f"{w.slo_text}: {cause}; keeping {kept}, the best throughput seen, for the autoscaler's "
                         f"replicas to relieve{w.why}", unreachable=True)
     return _Aim(best, probe)
+
+
+def _tpot_tail_from_arrivals(w: _Window) -> str | None:
+    """Why no smaller batch is the cure for a TPOT over its SLO, or None when it may be.
+
+    Below saturation (prompts do not wait for slots) the prefill a running request shares its steps
+    with is the arrivals': a short answer decoding beside other prompts' 1,000-token chunks takes their
+    steps into its mean gap. When the decode steps alone meet the target, the requests' tail is those
+    chunks; a batch below the sequences running cures it only by making prompts wait for a slot (their
+    TTFT), and every setting above them holds none back (tuning_day.py run 17: at 29 over long prompts,
+    TPOT P99 122 ms at batch 3 with decode steps' P99 47 ms; the probe went 29 -> 1 and the burst after
+    it began at 4)."""
+    sample, decode_p99 = w.sample, w.observation.decode_step_p99
+    if w.kind != "TPOT" or sample.latency_p99 <= w.slo_latency or sample.saturated or sample.filling or \
+            decode_p99 is None or decode_p99 > w.target:
+        return None
+    bounds = w.tuning.max_num_seqs
+    return (f"{w.where}: no maxNumSeqs within {bounds.min}..{bounds.max} meets {w.slo_text} without making prompts "
+            f"wait: the decode steps alone meet it (P99 {decode_p99 * 1e3:.0f} ms), and the requests' tail is "
+            f"other prompts' prefill in their lives, which a batch below the {sample.running:.1f} running cures "
+            f"only by queueing the prompts; keeping {w.m}, which holds none back, for the autoscaler's replicas "
+            f"to relieve{w.why}")
 
 
 def _ttft_bound(w: _Window, aim: _Aim) -> _Aim | Decision:

@@ -428,6 +428,37 @@ def test_a_probe_goes_below_the_sequences_that_ran_or_not_at_all():
     assert first.settings.max_num_seqs == 9, first.reason
 
 
+def test_a_tpot_tail_from_arriving_prompts_prefill_keeps_the_batch_and_bars_nothing():
+    # tuning_day.py run 17: at 29 over long prompts, a short answer decoding beside other prompts' 1,000-token
+    # chunks read TPOT P99 122 ms at batch 3 (decode steps' P99 43-47 ms); the probe read the chat windows'
+    # curve (56 ms at 5, 40 ms at 14) as "would meet it near 1": 29 -> 1, the burst after it began at 4, and
+    # the window at 29 barred 29 and above through the burst ("confirmed over it lately").
+    within = tuning(Slo(tpot_p99_seconds=0.1), seqs=(1, 128))
+    cost = dict(a=0.018, b=0.0005, c=0.0003)
+    params = EngineSettings(max_num_seqs=29, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    history, rng = TuningHistory(), random.Random(9)
+    for i, running in enumerate([14, 5]):
+        window = SimulatedEngine(**cost, arrival_limited_batch=running).window(params, rng)
+        decision = tune(window, params, within, history, now=(i + 1) * INTERVAL)
+        assert decision.settings == params, decision.reason
+        history = decision.history
+    rag = SimulatedEngine(**cost, prefill_share=0.05, prompt_tokens=1000, arrival_limited_batch=3)
+    for i in range(2):
+        window = replace(rag.window(params, rng), tpot_p99=0.122, tpot_samples=12)
+        assert window.decode_step_p99 < 0.05
+        decision = tune(window, params, within, history, now=(3 + i) * INTERVAL)
+        assert decision.settings == params and decision.slo_unreachable, decision.reason
+        assert "prefill" in decision.reason and not decision.history.samples[-1].violated, decision.reason
+        history = decision.history
+    # The burst after them: saturated at 29, well under the SLO: it grows.
+    burst = SimulatedEngine(**cost, output_tokens=88, prompt_tokens=30)
+    grown = tune(burst.window(params, rng), params, within, history, now=5 * INTERVAL)
+    assert grown.settings.max_num_seqs > 29, grown.reason
+    # Decode steps over the target are the batch's to cure: the same window with them slow cuts.
+    slow = replace(rag.window(params, rng), tpot_p99=0.122, tpot_samples=12, decode_step_p99=0.110)
+    assert tune(slow, params, within, history, now=5 * INTERVAL).settings.max_num_seqs < 29
+
+
 def test_windows_after_a_cut_do_not_judge_the_new_setting_by_requests_that_ran_before_it():
     # tuning_day.py run 8: a 2x burst's 64 was cut to 15; the next window's requests had run at 63 (TPOT P99
     # 180 ms), which cut 15 to 5 and barred 15 for the rest of the burst, held at 14 at 50 ms. Run 9: the
