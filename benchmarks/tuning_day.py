@@ -54,7 +54,8 @@ Systems, in an order rotated per repeat so that none always runs first or last:
   ``Slo(tpot_p99_seconds=TPOT SLO, ttft_p99_seconds=TTFT SLO)``, the SLO the day is scored on
   (``--tuner-slo itl`` gives the tuner an ITL P99 of the same figure instead, stricter: what the
   first run did, before the spec had a TPOT SLO), ``maxNumSeqs`` 1..128 and ``maxNumBatchedTokens``
-  64..2048;
+  64..2048; one engine and no autoscaler, so the tuner is told no replica can come
+  (``replicas_can_grow=False``, as the operator tells it when autoscaling is off or at its maximum);
 - ``default``: the engine's defaults (no ``--max-num-seqs``: 64);
 - ``static-N``: each ``--static`` setting fixed for the whole day, so the best one in hindsight
   (the most goodput over the whole day, in the same repeat) is known.
@@ -443,7 +444,7 @@ async def watch(url: str, admin: str, ticks: int, interval: float, t0: float, tu
                 settings = EngineSettings(max_num_seqs=seqs, gpu_memory_utilization=0.9, max_num_batched_tokens=(
                     tokens if getattr(tuning, "max_num_batched_tokens", None) is not None else None))
             elif k > 0:
-                decision = tuner.tune(metrics.service, settings, tuning, history, now)
+                decision = tuner.tune(metrics.service, settings, tuning, history, now, replicas_can_grow=False)
                 changed = live_settings(decision.settings) != live_settings(settings)
                 if changed:
                     failed = await asyncio.to_thread(client.set_scheduler_limits, {POD: admin}, decision.settings,

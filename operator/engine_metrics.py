@@ -306,6 +306,8 @@ class Observation:
     # Requests' time per output token (one sample per finished request; None from engines without it).
     tpot_samples: float = 0.0
     tpot_p99: float | None = None
+    tpot_p95: float | None = None
+    itl_mean: float | None = None  # seconds: the running requests' mean gap between tokens
     rejected_per_second: float = 0.0  # requests admission turned away (429), summed over pods
     running_now: float = 0.0  # at the window's end, summed over pods
 
@@ -393,6 +395,8 @@ def observe(delta: WindowDelta) -> Observation:
         if prefill_steps and prefill_steps.count > 0 else None,
         tpot_samples=tpot.count if tpot is not None else 0.0,
         tpot_p99=quantile(names.TIME_PER_OUTPUT_TOKEN, 0.99),
+        tpot_p95=quantile(names.TIME_PER_OUTPUT_TOKEN, 0.95),
+        itl_mean=itl.total / itl.count if itl is not None and itl.count > 0 else None,
     )
 
 

@@ -96,7 +96,11 @@ def plan(reading: Reading, memory: Memory, *, interval: float, scale_down_stabil
     decision = None
     if spec.tuning is not None and spec.tuning.enabled:
         oom_kills, restarts_seen = count_new_oom_kills(reading.pods, memory.restarts_seen)
-        decision = tune(observation, reading.in_effect, spec.tuning, memory.tuning, now, oom_kills, config)
+        # A queue is the autoscaler's to relieve only while it can add a replica.
+        scaling = spec.autoscaling
+        replicas_can_grow = scaling is not None and scaling.enabled and spec.replicas < scaling.max_replicas
+        decision = tune(observation, reading.in_effect, spec.tuning, memory.tuning, now, oom_kills, config,
+                        replicas_can_grow=replicas_can_grow)
         last_unreachable = memory.tuning.unreachable_at
         if decision.slo_unreachable and (last_unreachable is None or now - last_unreachable > 1.5 * interval):
             events.append(Event("Warning", "SLOUnreachable", decision.reason))

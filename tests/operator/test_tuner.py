@@ -99,7 +99,8 @@ class SimulatedEngine:
             prefill_step_p99=quantile(prefill, 0.99) if prefill else None,
             prefill_step_share=len(prefill) / self.steps,
             prefill_tokens_per_prefill_step=sums["prefill"] / len(prefill) if prefill else None,
-            tpot_samples=len(tpot), tpot_p99=quantile(tpot, 0.99),
+            tpot_samples=len(tpot), tpot_p99=quantile(tpot, 0.99), tpot_p95=quantile(tpot, 0.95),
+            itl_mean=sum(itl) / len(itl),
         )
 
     def expected(self, m: int, tokens: int = 2048) -> Observation:
@@ -138,7 +139,7 @@ def _poisson(rng: random.Random, mean: float) -> int:
 
 def run(engine: SimulatedEngine, start: int, intervals: int = 12, seed: int = 0, within: Tuning = TUNING,
         tokens: int = 2048, slowdowns: list[float] | None = None, config: TunerConfig = TunerConfig(),
-        first_ramp: float = 0.0):
+        first_ramp: float = 0.0, replicas_can_grow: bool = True):
     """The closed loop: (settings, reason, observation) per interval, and the final settings.
     ``first_ramp``: the share of the first window in which the batch fills up to the start."""
     rng = random.Random(seed)
@@ -147,7 +148,8 @@ def run(engine: SimulatedEngine, start: int, intervals: int = 12, seed: int = 0,
     trace = []
     for i in range(intervals):
         obs = engine.window(params, rng, slowdowns[i] if slowdowns else 1.0, ramp=first_ramp if i == 0 else 0.0)
-        decision = tune(obs, params, within, history, now=(i + 1) * INTERVAL, config=config)
+        decision = tune(obs, params, within, history, now=(i + 1) * INTERVAL, config=config,
+                        replicas_can_grow=replicas_can_grow)
         trace.append((params, decision.reason, obs, decision))
         params, history = decision.settings, decision.history
     return trace, params
@@ -293,6 +295,22 @@ def test_an_slo_no_setting_meets_keeps_the_best_throughput_instead_of_the_minimu
     assert final.max_num_seqs >= 16, seqs_of(trace, final)
     assert all(d.slo_unreachable for *_, d in trace[1:]), trace[-1][1]
     assert "for the autoscaler's replicas to relieve" in trace[-1][1]
+
+
+def test_a_cut_aims_at_the_slo_not_at_a_margin_widened_by_noise():
+    # tuning_day.py run 17: the noisy phase's first window over (117 ms at 23) aimed at a 25% margin's 75 ms and
+    # cut 28 to 12, which queued the phase; a cut too shallow is measured and taken further an interval later.
+    engine = SimulatedEngine()
+    trace, params = run(engine, 16, intervals=4)
+    history = trace[-1][3].history
+    history = replace(history, changes=(), samples=tuple(replace(s, correction=c) for s, c in
+                                                         zip(history.samples, (0.7, 1.4, 0.8, 1.3))))
+    params = params.replace(max_num_seqs=48)  # set by hand, say
+    window = engine.window(params, random.Random(3))
+    assert window.itl_p99 > 1.1 * SLO
+    cut = tune(window, params, TUNING, history, now=5 * INTERVAL)
+    assert "margin 25%" in cut.reason, cut.reason
+    assert 0.085 <= engine.expected(cut.settings.max_num_seqs).itl_p99 <= SLO, cut.reason
 
 
 def test_a_reversal_waits_for_a_second_window():
@@ -457,6 +475,23 @@ def test_a_tpot_tail_from_arriving_prompts_prefill_keeps_the_batch_and_bars_noth
     # Decode steps over the target are the batch's to cure: the same window with them slow cuts.
     slow = replace(rag.window(params, rng), tpot_p99=0.122, tpot_samples=12, decode_step_p99=0.110)
     assert tune(slow, params, within, history, now=5 * INTERVAL).settings.max_num_seqs < 29
+
+
+def test_a_setting_too_small_for_a_window_to_judge_is_read_from_its_requests_gaps():
+    # tuning_day.py run 18: cut to 1 over long prompts; at 1, with 2-6 prompts waiting, no window finished
+    # enough requests (or tokens) to read a TPOT P99 from, and 1 held for 300 s through a burst.
+    within = tuning(Slo(tpot_p99_seconds=0.1))
+    engine = SimulatedEngine(a=0.05, b=0.002)  # saturated, ~20 sequences meet 100 ms
+    trace, params = run(engine, 8, intervals=3, within=within)
+    history = trace[-1][3].history
+    params = params.replace(max_num_seqs=1)
+    thin = replace(engine.window(params, random.Random(4)), itl_samples=80.0, tpot_samples=4.0, tpot_p99=0.2)
+    grown = tune(thin, params, within, history, now=4 * INTERVAL)
+    assert grown.settings.max_num_seqs > 1, grown.reason
+    assert grown.history.samples[-1].lagging  # read from the gaps, not from requests: no lesson for the prediction
+    # A thin window of a light load (no prompt waiting) is still too little to judge.
+    light = replace(thin, waiting=0.0, waiting_now=0.0)
+    assert tune(light, params, within, history, now=4 * INTERVAL).settings == params
 
 
 def test_windows_after_a_cut_do_not_judge_the_new_setting_by_requests_that_ran_before_it():
@@ -737,6 +772,26 @@ def test_overloaded_the_tuner_aims_at_the_slo_with_the_least_margin():
             (decisions[1.0].reason, decisions[overloaded].reason)
 
 
+def test_with_no_replica_to_come_a_queue_past_the_ttft_slo_judges_the_tpot_slo_at_p95():
+    # tuning_day.py run 17: on a noisy node, one engine and no autoscaler, 12 held TPOT P99 86-90 ms with a
+    # queue past the TTFT SLO (45% of the requests within both SLOs), where 32 read 107 ms and served 95%.
+    within = tuning(Slo(tpot_p99_seconds=0.1, ttft_p99_seconds=10.0))
+    engine = QueueingEngine(queue_seconds=30.0, noise=0.5)
+    trace, held = run(engine, 16, intervals=10, within=within)
+    trace_relaxed, relaxed = run(engine, 16, intervals=10, within=within, replicas_can_grow=False)
+    seqs = (seqs_of(trace, held), seqs_of(trace_relaxed, relaxed))
+    assert engine.expected(held.max_num_seqs).tpot_p99 <= 0.1, seqs
+    assert relaxed.max_num_seqs > held.max_num_seqs, seqs
+    at = engine.expected(relaxed.max_num_seqs)
+    assert at.tpot_p95 <= 0.1 < at.tpot_p99, seqs
+    assert "judged at P95" in trace_relaxed[-1][1], trace_relaxed[-1][1]
+    # With the queue gone (the TTFT within its SLO) and the batch no longer saturated, the P99 again.
+    light = SimulatedEngine(noise=0.5, arrival_limited_batch=relaxed.max_num_seqs / 2)
+    calm = tune(light.window(relaxed, random.Random(1)), relaxed, within, trace_relaxed[-1][3].history,
+                now=11 * INTERVAL, replicas_can_grow=False)
+    assert "judged at P95" not in calm.reason, calm.reason
+
+
 def test_a_ttft_made_of_queueing_does_not_grow_the_batch_without_an_itl_slo():
     trace, final = run(QueueingEngine(), 16, intervals=8, within=tuning(Slo(ttft_p99_seconds=2.0)))
     assert final.max_num_seqs == 16 and all(p.max_num_seqs == 16 for p, *_ in trace)
@@ -786,4 +841,7 @@ def test_the_fixed_load_goal_over_simulated_engines():
                 met, marks = met + ok, marks + ("+" if ok else "-")
         board[name] = marks
     print("\n".join(f"{name:8} {marks}" for name, marks in board.items()), f"\nmet {met} of 60")
-    assert met >= 45, board  # 30 of 60 before tuning.py runs 21 and 22
+    # 30 of 60 before tuning.py runs 21 and 22; 45 until cuts stopped aiming at a margin widened by noise
+    # (tuning_day.py run 17): the concave engine's one "+" was a cut to 1 and a climb back to 3, the oracle,
+    # whose ITL P99 (99 ms) lies within the least margin; the cut now goes to 2 (87 ms) and holds there.
+    assert met >= 44, board
