@@ -588,14 +588,16 @@ def _tpot_tail_from_arrivals(w: _Window) -> str | None:
 
     Below saturation (prompts do not wait for slots) the prefill a running request shares its steps
     with is the arrivals': a short answer decoding beside other prompts' 1,000-token chunks takes their
-    steps into its mean gap. When the decode steps alone meet the target, the requests' tail is those
+    steps into its mean gap. When the decode steps alone meet the SLO, the requests' tail is those
     chunks; a batch below the sequences running cures it only by making prompts wait for a slot (their
     TTFT), and every setting above them holds none back (tuning_day.py run 17: at 29 over long prompts,
     TPOT P99 122 ms at batch 3 with decode steps' P99 47 ms; the probe went 29 -> 1 and the burst after
-    it began at 4)."""
+    it began at 4). The decode steps' P99 is held to the SLO, not to the margin's target: a request's TPOT
+    is a mean of its gaps, below their P99 (run 19: 80 ms against a 75 ms target let the next window probe
+    36 -> 1)."""
     sample, decode_p99 = w.sample, w.observation.decode_step_p99
     if w.kind != "TPOT" or sample.latency_p99 <= w.slo_latency or sample.saturated or sample.filling or \
-            decode_p99 is None or decode_p99 > w.target:
+            decode_p99 is None or decode_p99 > w.slo_latency:
         return None
     bounds = w.tuning.max_num_seqs
     return (f"{w.where}: no maxNumSeqs within {bounds.min}..{bounds.max} meets {w.slo_text} without making prompts "
@@ -923,7 +925,10 @@ def _probe_target(samples: tuple[Sample, ...], m: int, slo: float, target: float
     floor = max(math.floor(m * config.max_backoff), low)
     if lowest < m and y1 <= slo:
         return max(lowest, floor), f"{lowest} met it lately (ITL P99 {y1 * 1e3:.0f} ms)"
-    if lowest <= low:
+    if lowest <= low or y1 <= slo:
+        # y1 <= slo: the windows at this very setting, the smallest batch measured, mostly met the SLO; the
+        # batch is not what broke it now (tuning_day.py run 19: 36 met it at batch 5-7 over chat, then read
+        # 124 ms at batch 2 over long prompts, and a curve "fell as batch^0.00" from them, probing 36 -> 1).
         return None
     if not rest or rest[0][0] < 1.25 * b1:
         return min(floor, lowest - 1), f"only batch {b1:.0f} has been measured"
@@ -932,9 +937,10 @@ def _probe_target(samples: tuple[Sample, ...], m: int, slo: float, target: float
     if y1 * (low / b1) ** power > slo:
         return None
     aim = max(math.floor(b1 * (target / y1) ** (1 / power)) if power > 0 else low, low)
+    probe = min(max(aim, floor), lowest - 1)
     text = (f"the ITL P99 fell as batch^{power:.2f} from {b2:.0f} to {b1:.0f} ({y2 * 1e3:.0f} → {y1 * 1e3:.0f} ms), "
-            f"which would meet it near {aim}")
-    return min(max(aim, floor), lowest - 1), text
+            f"which would meet it near {min(aim, probe)}")
+    return probe, text
 
 
 def _cut(prediction: Prediction, sample: Sample, tokens: int | None, target: float, low: int, m: int) -> int:

@@ -472,6 +472,10 @@ def test_a_tpot_tail_from_arriving_prompts_prefill_keeps_the_batch_and_bars_noth
     burst = SimulatedEngine(**cost, output_tokens=88, prompt_tokens=30)
     grown = tune(burst.window(params, rng), params, within, history, now=5 * INTERVAL)
     assert grown.settings.max_num_seqs > 29, grown.reason
+    # Decode steps between the target and the SLO still meet it (run 19: P99 80 ms against a 75 ms target, and
+    # the next window probed 36 -> 1).
+    near = replace(rag.window(params, rng), tpot_p99=0.122, tpot_samples=12, decode_step_p99=0.098)
+    assert tune(near, params, within, history, now=5 * INTERVAL).settings == params
     # Decode steps over the target are the batch's to cure: the same window with them slow cuts.
     slow = replace(rag.window(params, rng), tpot_p99=0.122, tpot_samples=12, decode_step_p99=0.110)
     assert tune(slow, params, within, history, now=5 * INTERVAL).settings.max_num_seqs < 29
@@ -492,6 +496,27 @@ def test_a_setting_too_small_for_a_window_to_judge_is_read_from_its_requests_gap
     # A thin window of a light load (no prompt waiting) is still too little to judge.
     light = replace(thin, waiting=0.0, waiting_now=0.0)
     assert tune(light, params, within, history, now=4 * INTERVAL).settings == params
+
+
+def test_no_probe_below_a_setting_whose_windows_met_the_slo_at_a_larger_batch():
+    # tuning_day.py run 19: 36 met the TPOT SLO at batch 5-7 over chat (TPOT P99 50 ms), then read 124 ms at
+    # batch 2 over long prompts, on steps slower than the line (x1.4); the windows at 36 were read as a curve
+    # that "fell as batch^0.00" and the probe went 36 -> 1, from which the burst after it climbed for 90 s.
+    within = tuning(Slo(tpot_p99_seconds=0.1), seqs=(1, 128))
+    params = EngineSettings(max_num_seqs=36, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    history, rng = TuningHistory(), random.Random(11)
+    chat = SimulatedEngine(a=0.02, b=0.001, arrival_limited_batch=3)
+    for i in range(3):
+        decision = tune(replace(chat.window(params, rng), tpot_p99=0.05), params, within, history,
+                        now=(i + 1) * INTERVAL)
+        assert decision.settings == params, decision.reason
+        history = decision.history
+    rag = SimulatedEngine(a=0.02, b=0.001, c=0.0005, prefill_share=0.04, prompt_tokens=850, arrival_limited_batch=2)
+    for i in range(2):
+        slow = replace(rag.window(params, rng, slowdown=1.4), tpot_p99=0.124, decode_step_p99=0.11)
+        decision = tune(slow, params, within, history, now=(4 + i) * INTERVAL)
+        assert decision.settings == params and "measuring" not in decision.reason, decision.reason
+        history = decision.history
 
 
 def test_windows_after_a_cut_do_not_judge_the_new_setting_by_requests_that_ran_before_it():
