@@ -100,6 +100,7 @@ class TunerConfig:
     budget_floor_seconds: float = 600.0  # how long a budget that relieved a starved queue stays the floor
     tight_bracket: float = 0.25  # climbing back after a decrease only for a gain of at least this share
     max_relaxation: float = 1.5  # judged at P95, the P99 may be at most this × the SLO
+    unmoved_batch: float = 0.85  # a cut ran at most this × the batch before it: one reading no lower moved nothing
     history_length: int = 24
     memory_step: float = 0.02
     memory_cooldown_seconds: float = 600.0
@@ -658,6 +659,9 @@ def _verdict(w: _Window, aim: _Aim) -> _Aim | Decision:
         return w.decide(w.settings, f"{w.where}: the batch filled up during this window (ending saturated, with a "
                                     f"queue): the requests it judged ran before the load changed; confirming over "
                                     f"one more window{w.why}")
+    unmoved = _cut_moved_nothing(w)
+    if unmoved is not None:
+        return unmoved
     if aim.probe is None:
         # A cut aims at the SLO with the least margin: one too shallow is measured and taken further an
         # interval later, one too deep costs throughput until the climb back (tuning_day.py run 17: a noisy
@@ -666,6 +670,26 @@ def _verdict(w: _Window, aim: _Aim) -> _Aim | Decision:
         cut_target = w.slo_latency * (1 - w.config.margin)
         return replace(aim, best=_cut(w.prediction, sample, w.tokens, cut_target, w.tuning.max_num_seqs.min, m))
     return aim
+
+
+def _cut_moved_nothing(w: _Window) -> Decision | None:
+    """A cut whose setting, its lag past, reads no lower than the window that asked for it, at a clearly
+    smaller batch: the batch is not what sets the latency (a neighbour's share of every step, say), and a
+    deeper cut would only queue requests. The tuner holds, and says the SLO is out of the batch's reach
+    (tuning_day.py run 20: beside a CPU-bound neighbour 27 -> 19 -> 13 read TPOT P99 125, 125 and 124 ms
+    while the queue grew to 24; the cuts rested on a line fitted steep across the neighbour's arrival)."""
+    last, sample = w.last, w.sample
+    if last is None or last.new != w.m or last.new >= last.old or w.just_cut:
+        return None
+    asked = next((s for s in reversed(w.history.samples[:-1]) if s.max_num_seqs == last.old and s.time <= last.time),
+                 None)
+    if asked is None or sample.batch > w.config.unmoved_batch * asked.batch or \
+            sample.latency_p99 * (1 + w.band) < asked.latency_p99:
+        return None
+    return w.decide(w.settings, f"{w.where}: no lower than {asked.latency_p99 * 1e3:.0f} ms at batch "
+                                f"{asked.batch:.1f} before max_num_seqs came down to {w.m}: the batch does not set "
+                                f"it, and a smaller one would only queue requests; holding {w.m} for the "
+                                f"autoscaler's replicas to relieve{w.why}", unreachable=True)
 
 
 def _growth_bound(w: _Window, aim: _Aim) -> _Aim | Decision:
@@ -727,8 +751,8 @@ def _evidence(observation: Observation | None, settings: EngineSettings, kind: s
     Under a TPOT SLO, a window whose batch fills a small ``max_num_seqs`` with prompts waiting finishes
     too few requests to read a P99 from: the setting starves the window, not the load. It is read from the
     gaps its running requests saw instead — their mean times the requests' tail of recent windows — and
-    teaches the prediction nothing (``lagging``). (tuning_day.py run 18: cut to 1 over long prompts, 1 held for 300 s through a
-    burst with 2-6 waiting, every window "too little traffic to learn from".)"""
+    teaches the prediction nothing (``lagging``). (tuning_day.py run 18: cut to 1 over long prompts, 1
+    held for 300 s through a burst with 2-6 waiting, every window "too little traffic to learn from".)"""
     if observation is None or observation.itl_p99 is None or observation.mean_running_per_pod is None:
         return "no metrics from any pod in this window: holding"
     sums = observation.step_cost_sums

@@ -165,3 +165,17 @@ def test_the_window_after_a_change_starts_a_fifth_of_an_interval_later_within_bo
     assert settle_seconds(5.0) == 2.0
     assert settle_seconds(600.0) == 10.0
 
+
+
+def test_the_tuner_is_told_whether_a_replica_can_relieve_the_queue():
+    # A queue past the TTFT SLO is the autoscaler's to relieve while it can add a replica; with none to come
+    # (no autoscaling, or at maxReplicas) the tuner judges a TPOT SLO at P95 instead.
+    tpot = {"slo": {"tpotP99Seconds": 0.1, "ttftP99Seconds": 10.0}, "maxNumSeqs": {"min": 1, "max": 64}}
+    queued = observation(ttft_p99=20.0, ttft_queue_share=0.9, tpot_samples=120.0, tpot_p99=0.095, tpot_p95=0.08)
+    alone = SPEC.model_copy(update={"tuning": spec.Tuning.model_validate(tpot)})
+    scaled = alone.model_copy(update={"autoscaling": spec.Autoscaling(min_replicas=1, max_replicas=3)})
+    at_max = scaled.model_copy(update={"replicas": 3})
+    reasons = {name: _plan(reading(queued, spec_=s)).decision.reason
+               for name, s in (("alone", alone), ("scaled", scaled), ("at_max", at_max))}
+    assert "judged at P95" in reasons["alone"] and "judged at P95" in reasons["at_max"], reasons
+    assert "judged at P95" not in reasons["scaled"], reasons

@@ -519,6 +519,29 @@ def test_no_probe_below_a_setting_whose_windows_met_the_slo_at_a_larger_batch():
         history = decision.history
 
 
+def test_a_cut_that_lowered_nothing_is_not_taken_further():
+    # tuning_day.py run 20: beside a CPU-bound neighbour 27 -> 19 -> 13 read TPOT P99 125, 125 and 124 ms while
+    # the queue grew to 24: the cuts rested on a line fitted steep from the quiet windows before (batch 3) and
+    # the neighbour's (batch 27), and the latency was the neighbour's share of every step, not the batch's.
+    within = tuning(Slo(tpot_p99_seconds=0.1), seqs=(1, 128))
+    params = EngineSettings(max_num_seqs=27, gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    history, rng, now = TuningHistory(), random.Random(5), 0.0
+    quiet, loaded = SimulatedEngine(a=0.02, b=0.0008, arrival_limited_batch=3), SimulatedEngine(a=0.02, b=0.0008)
+    for _ in range(4):
+        now += 10.0
+        history = tune(quiet.window(params, rng), params, within, history, now=now).history
+    seqs, reasons = [], []
+    for _ in range(8):
+        now += 10.0
+        window = replace(loaded.window(params, rng, slowdown=2.6), tpot_p99=0.125, window_seconds=20.0)
+        decision = tune(window, params, within, history, now=now)
+        params, history = decision.settings, decision.history
+        seqs.append(params.max_num_seqs)
+        reasons.append(decision.reason)
+    assert seqs[0] < 27 and seqs[-1] == seqs[0], (seqs, reasons)  # one cut, measured, and no further
+    assert decision.slo_unreachable and "the batch does not set it" in decision.reason, decision.reason
+
+
 def test_windows_after_a_cut_do_not_judge_the_new_setting_by_requests_that_ran_before_it():
     # tuning_day.py run 8: a 2x burst's 64 was cut to 15; the next window's requests had run at 63 (TPOT P99
     # 180 ms), which cut 15 to 5 and barred 15 for the rest of the burst, held at 14 at 50 ms. Run 9: the
