@@ -681,8 +681,7 @@ def _cut_moved_nothing(w: _Window) -> Decision | None:
     last, sample = w.last, w.sample
     if last is None or last.new != w.m or last.new >= last.old or w.just_cut:
         return None
-    asked = next((s for s in reversed(w.history.samples[:-1]) if s.max_num_seqs == last.old and s.time <= last.time),
-                 None)
+    asked = _window_that_made(w.history.samples, last)
     if asked is None or sample.batch > w.config.unmoved_batch * asked.batch or \
             sample.latency_p99 * (1 + w.band) < asked.latency_p99:
         return None
@@ -1020,8 +1019,13 @@ def _decode_span(observation: Observation) -> float:
 
 def _held_back_nothing(samples: tuple[Sample, ...], change: Change) -> bool:
     """The change was a decrease made while fewer sequences ran than its new setting."""
-    made = next((s for s in reversed(samples) if s.time == change.time), None)
+    made = _window_that_made(samples, change)
     return change.new < change.old and made is not None and made.running <= change.new
+
+
+def _window_that_made(samples: tuple[Sample, ...], change: Change) -> Sample | None:
+    """The window whose decision the change was (None when no window was judged, or it is gone)."""
+    return next((s for s in reversed(samples) if s.time == change.time), None)
 
 
 def _largest(meets, low: int, high: int) -> int | None:
