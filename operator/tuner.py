@@ -29,8 +29,8 @@ A pure function, in four named steps, each testable on synthetic streams:
    ahead of the load, which held nothing back, is no verdict to reverse); when no setting
    within the bounds is predicted to meet the SLO, the tuner measures a smaller one unless the
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
-   then says so and keeps the setting with the best saturated throughput it has seen instead of walking
-   down to the minimum (replicas are the cure).
+   then says so and keeps the setting with the best saturated throughput it has seen (below saturation,
+   the setting it has) instead of walking down to the minimum (replicas are the cure).
 4. **Move** (``_step``, ``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
    up per interval and down to ÷4 of the running batch (a decrease acts in the engine's next step: it
    preempts the excess), and a cut aims at the SLO with the least margin, no deeper than the window's
@@ -573,13 +573,18 @@ def _aim(w: _Window) -> _Aim | Decision:
         return _budget_move(w, f"{w.where}: steps carrying prefill chunks set the tail{w.why}", grow=False)
     if best is None or refuted:
         prefill_made = best is None and decode_best is not None
-        kept = m if prefill_made else (_best_seen(w.history.samples) or m)
+        # Below saturation the throughput is the load's: a larger setting would only let a backlog run at
+        # once, each step slower (tuning_day.py run 21: beside the neighbour, 33 -> 62 at batch 17 and 114 ms
+        # ran 40 at 125 ms).
+        seen = None if prefill_made or not sample.saturated else _best_seen(w.history.samples)
+        kept = seen or m
         cause = ("the tail comes from steps carrying prefill chunks, which a smaller batch does not cure "
                  "(bounds in spec.tuning.maxNumBatchedTokens let the tuner cap them)"
                  if prefill_made else f"even {bounds.min} sequences are predicted over it")
         return w.decide(_with_seqs(w.settings, kept),
                         f"{w.where}: no maxNumSeqs within {bounds.min}..{bounds.max} is predicted to meet "
-                        f"{w.slo_text}: {cause}; keeping {kept}, the best throughput seen, for the autoscaler's "
+                        f"{w.slo_text}: {cause}; keeping {kept}, "
+                        f"{'the best throughput seen' if seen else 'the setting in effect'}, for the autoscaler's "
                         f"replicas to relieve{w.why}", unreachable=True)
     return _Aim(best, probe)
 
@@ -651,14 +656,17 @@ def _verdict(w: _Window, aim: _Aim) -> _Aim | Decision:
     if not sample.violated:
         return w.decide(w.settings, f"{w.where} is within the noise band ({w.band:.0%}) over {w.slo_text}: "
                                     f"confirming over one more window{w.why}")
-    samples = w.history.samples
-    if sample.filling and not (len(samples) > 1 and samples[-2].filling):
+    if sample.filling:
         # A per-request latency lags the load: the requests finishing in a window whose batch filled up
-        # ran mostly before, under the traffic that came before (tuning_day.py's third and fourth runs:
-        # the first window of a 2x burst read the long-prompt phase's TPOT and cut 64 to 16).
+        # ran mostly before, under the traffic that came before, or through the fill's own prefill
+        # (tuning_day.py's third and fourth runs: the first window of a 2x burst read the long-prompt
+        # phase's TPOT and cut 64 to 16). The verdict waits for a window whose batch was full throughout:
+        # windows overlap when they are longer than the interval (run 21: the two windows over a burst's
+        # first 20 s read 124-125 ms at a mean batch of 11 and 32, and cut 64 to 15, which then read
+        # 104-114 ms; 55 held the burst at 99-109 ms).
         return w.decide(w.settings, f"{w.where}: the batch filled up during this window (ending saturated, with a "
                                     f"queue): the requests it judged ran before the load changed; confirming over "
-                                    f"one more window{w.why}")
+                                    f"a window whose batch was full throughout{w.why}")
     unmoved = _cut_moved_nothing(w)
     if unmoved is not None:
         return unmoved

@@ -370,7 +370,7 @@ def test_a_tpot_slo_is_set_by_the_mean_step_not_by_prefill_spikes(start):
     assert by_itl.max_num_batched_tokens < 2048
 
 
-def test_a_window_whose_batch_filled_up_does_not_cut_the_batch_until_the_next_one_agrees():
+def test_a_window_whose_batch_filled_up_does_not_cut_the_batch_until_one_full_throughout_agrees():
     # tuning_day.py's third and fourth runs: the first window of a 2x burst ran 15 of 64 slots on average and
     # ended with all 64 running and a queue; the requests finishing in it had run in the long-prompt phase
     # before (TPOT 147 ms), and the tuner cut 64 to 16 for five intervals of the burst.
@@ -386,9 +386,15 @@ def test_a_window_whose_batch_filled_up_does_not_cut_the_batch_until_the_next_on
     # The same window with a batch that did not grow: a decrease, as before.
     steady = tune(replace(burst, running_now=burst.mean_running_per_pod), params, within, history, now=200.0)
     assert steady.settings.max_num_seqs < 64, steady.reason
-    # And a second window like it: the new load is here to stay, and its own requests are over the SLO.
+    # Nor does a second window like it: windows longer than the interval overlap, and the second still
+    # holds the fill (tuning_day.py run 21: 124-125 ms at a mean batch of 11, then 32, cut 64 to 15).
     again = tune(burst, params, within, held.history, now=210.0)
-    assert again.settings.max_num_seqs < 64, again.reason
+    assert again.settings.max_num_seqs == 64, again.reason
+    # The window after them, its batch full throughout and its requests over the SLO: the new load is here
+    # to stay, a decrease.
+    full = replace(SimulatedEngine().window(params, random.Random(4)), tpot_p99=0.147)
+    full = tune(full, params, within, again.history, now=220.0)
+    assert full.settings.max_num_seqs < 64, full.reason
 
 
 def test_a_cut_is_sized_by_the_window_not_by_tails_learned_under_the_traffic_before():
@@ -659,6 +665,14 @@ def test_an_slo_out_of_reach_keeps_the_best_saturated_throughput_not_a_light_loa
     params = params.replace(max_num_seqs=20)
     decision = tune(SimulatedEngine(**slow, arrival_limited_batch=6).window(params, rng), params, within, history,
                     now=4 * INTERVAL)
+    assert decision.slo_unreachable and decision.settings.max_num_seqs == 20, decision.reason
+    # Nor is a saturated window at 64 a reason to raise a light load's setting: 64 would only let a backlog
+    # run at once, each step slower (tuning_day.py run 21: beside the neighbour, 33 -> 62 at batch 17 ran 40).
+    saturated = tune(SimulatedEngine(**slow).window(params.replace(max_num_seqs=64), rng),
+                     params.replace(max_num_seqs=64), within, history, now=4 * INTERVAL)
+    assert saturated.history.samples[-1].saturated
+    decision = tune(SimulatedEngine(**slow, arrival_limited_batch=6).window(params, rng), params, within,
+                    saturated.history, now=5 * INTERVAL)
     assert decision.slo_unreachable and decision.settings.max_num_seqs == 20, decision.reason
 
 
