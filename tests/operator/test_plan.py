@@ -166,7 +166,6 @@ def test_the_window_after_a_change_starts_a_fifth_of_an_interval_later_within_bo
     assert settle_seconds(600.0) == 10.0
 
 
-
 def test_the_tuner_is_told_whether_a_replica_can_relieve_the_queue():
     # A queue past the TTFT SLO is the autoscaler's to relieve while it can add a replica; with none to come
     # (no autoscaling, or at maxReplicas) the tuner judges a TPOT SLO at P95 instead.
