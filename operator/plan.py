@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from kvpilot.operator import builders, status
@@ -148,8 +149,31 @@ def _apply_decision(decision: Decision | None, reading: Reading, interval: float
     if decision.memory_changed:
         # The pod template carries the memory fraction: the ConfigMap change triggers the reconcile
         # that renders it, and the Deployment replaces pods one at a time.
-        events.append(Event("Normal", "TunedMemory", decision.reason + "; restarting pods one at a time"))
+        events.append(Event("Normal", "TunedMemory", decision.reason + "; " + _restart_cost(reading)))
     return changes
+
+
+def _restart_cost(reading: Reading) -> str:
+    """What the rollout a new memory fraction starts costs: each pod replaced in turn, each new one taking
+    about what this service's newest Ready engine took from start to Ready (its first Ready, most likely:
+    an older pod's Ready condition may have changed since)."""
+    ready = [pod for pod in reading.pods if _start_to_ready_seconds(pod) is not None]
+    took = ""
+    if ready:
+        newest = max(ready, key=lambda pod: pod["status"]["startTime"])
+        took = f" (the newest engine took {_start_to_ready_seconds(newest):.0f} s from start to Ready)"
+    if reading.spec.resources.gpus > 0:  # no spare GPU for a surge pod: each one is out of service meanwhile
+        return f"restarting {len(reading.pods)} pod(s) one at a time, each out of service until Ready{took}"
+    return f"replacing {len(reading.pods)} pod(s) one at a time, each new one beside the old until Ready{took}"
+
+
+def _start_to_ready_seconds(pod: Mapping[str, Any]) -> float | None:
+    pod_status = pod.get("status") or {}
+    ready = next((c.get("lastTransitionTime") for c in pod_status.get("conditions") or []
+                  if c.get("type") == "Ready" and c.get("status") == "True"), None)
+    if not ready or not pod_status.get("startTime"):
+        return None
+    return (datetime.fromisoformat(ready) - datetime.fromisoformat(pod_status["startTime"])).total_seconds()
 
 
 def is_saturated(observation: Observation | None, max_num_seqs: int, ready: int, config: TunerConfig) -> bool:

@@ -96,6 +96,32 @@ def test_a_memory_change_rolls_pods_through_the_configmap_not_the_admin_api():
     assert [e.reason for e in result.events] == ["TunedMemory"]
 
 
+def test_a_memory_change_event_says_what_the_rollout_costs():
+    def pod(name: str, started: str, ready: str, restarts: int) -> dict:
+        return {"metadata": {"name": name, "uid": name},
+                "status": {"startTime": started,
+                           "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": ready}],
+                           "containerStatuses": [{"name": "engine", "restartCount": restarts,
+                                                  "lastState": {"terminated": {"reason": "OOMKilled"}}}]}}
+
+    def event(spec_, restarts: int) -> str:
+        # The older pod's Ready changed long after its start (a probe failed once): the newest one's start says.
+        pods = [pod("old", "2026-12-06T10:00:00Z", "2026-12-06T11:00:31Z", 0),
+                pod("new", "2026-12-06T10:05:00Z", "2026-12-06T10:05:12Z", restarts)]
+        seen = _plan(reading(observation(itl_samples=10.0), pods=pods, spec_=spec_)).memory
+        pods[1]["status"]["containerStatuses"][0]["restartCount"] = restarts + 1
+        (tuned,) = _plan(reading(observation(itl_samples=10.0), pods=pods, spec_=spec_), seen).events
+        assert tuned.reason == "TunedMemory"
+        return tuned.message
+
+    on_gpus = event(SPEC, 1)
+    assert on_gpus.endswith("; restarting 2 pod(s) one at a time, each out of service until Ready "
+                            "(the newest engine took 12 s from start to Ready)"), on_gpus
+    on_cpus = event(SPEC.model_copy(update={"resources": spec.Resources(gpus=0, memory="8Gi")}), 1)
+    assert "; replacing 2 pod(s) one at a time, each new one beside the old until Ready (the newest engine " \
+           "took 12 s" in on_cpus, on_cpus
+
+
 def test_the_autoscaler_asks_for_replicas_and_sees_the_new_settings():
     busy = observation(output_tokens_per_second=2000.0, waiting_now=200.0, pods=1)
     result = _plan(reading(busy, ready=("a",), spec_=AUTOSCALED))
