@@ -1,11 +1,19 @@
 """What every end-to-end module shares: the session's local cluster, a Kube client on it, the chart's
 operator installed in a namespace, the check that the operator made each child of a service at
-most once, and the wait for a service to converge."""
+most once, the wait for a service to converge, and client threads loading a service's engine pods."""
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
 import pytest
 
+from kvpilot import engine_contract as contract
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
@@ -121,3 +129,90 @@ def converged(cluster, kube, children_once):
             raise AssertionError(f"{exc}\n{state.stdout}") from None
 
     return wait
+
+
+class EngineLoad:
+    """Client threads posting completions to a service's Ready engine pods; counts what failed.
+    ``body(n)`` is the n-th request's body (n counts every request sent, from 0)."""
+
+    def __init__(self, kube: Kube, namespace: str, name: str, clients: int, body: Callable[[int], dict[str, Any]]):
+        self.kube, self.namespace, self.name, self.body = kube, namespace, name, body
+        self.stop_event = threading.Event()
+        self.lock = threading.Lock()
+        self.ok = 0
+        self.not_routed = 0  # turned away before any work: a pod that just went away or is draining
+        self.failures: list[str] = []
+        self.targets: list[str] = []
+        self.active = clients
+        self.pause = 0.0  # seconds each client waits between requests
+        self._numbers = itertools.count()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+        self._refresh = threading.Thread(target=self._refresh_targets, daemon=True)
+
+    def __enter__(self) -> EngineLoad:
+        self._refresh_once()
+        self._refresh.start()
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+    def resize(self, clients: int, pause: float = 0.0) -> None:
+        """Keeps only the first ``clients`` threads sending, each waiting ``pause`` s between requests."""
+        self.active, self.pause = clients, pause
+
+    def _refresh_once(self) -> None:
+        pods = engine_pods(self.kube, self.namespace, self.name)
+        self.targets = [f"http://{p['status']['podIP']}:{contract.ENGINE_PORT}" for p in pods
+                        if pod_ready(p) and p["status"].get("podIP")]
+
+    def _refresh_targets(self) -> None:
+        while not self.stop_event.wait(0.5):
+            self._refresh_once()
+
+    def _client(self, index: int) -> None:
+        # A new connection per request: a request written on a kept-alive connection just as a
+        # drained pod's server closes it is reset (ReadError) though the pod drained correctly; a
+        # new connection to a closed server is refused instead (not routed), and a request the pod
+        # accepted and then dropped still fails the test.
+        with httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            while not self.stop_event.is_set():
+                if index >= self.active or not self.targets:
+                    time.sleep(0.5)
+                    continue
+                time.sleep(self.pause)
+                target = self.targets[index % len(self.targets)]
+                try:
+                    response = client.post(f"{target}/v1/completions", json=self.body(next(self._numbers)))
+                except httpx.ConnectError:
+                    with self.lock:
+                        self.not_routed += 1
+                    continue
+                except httpx.HTTPError as exc:
+                    with self.lock:
+                        self.failures.append(f"{target}: {type(exc).__name__}: {exc}")
+                    continue
+                with self.lock:
+                    if response.status_code == 200:
+                        self.ok += 1
+                    elif response.status_code == 503 and "shutting_down" in response.text:
+                        # A draining pod turns new requests away for another replica, as a
+                        # load balancer would retry (rare: the preStop sleep lets this client's
+                        # target list drop the pod before the engine drains).
+                        self.not_routed += 1
+                    else:
+                        self.failures.append(f"{target}: HTTP {response.status_code}: {response.text[:200]}")
+
+
+@pytest.fixture(scope="module")
+def engine_load(kube):
+    """``engine_load(namespace, name, clients, body)``: an :class:`EngineLoad` on the service's pods, to
+    run in a ``with`` block."""
+    def make(namespace: str, name: str, clients: int, body: Callable[[int], dict[str, Any]]) -> EngineLoad:
+        return EngineLoad(kube, namespace, name, clients, body)
+
+    return make

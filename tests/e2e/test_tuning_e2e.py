@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -24,7 +23,6 @@ import pytest
 from kvpilot import engine_contract as contract
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
-from kvpilot.operator.kube import Kube
 from kvpilot.operator.engine_metrics import parse_snapshot
 
 pytestmark = pytest.mark.e2e
@@ -112,84 +110,10 @@ def service(cluster, kube, operator, tiny_model_dir):
     return manifest
 
 
-class Load:
-    """Client threads posting completions to the Ready engine pods; counts what failed."""
-
-    def __init__(self, kube: Kube, clients: int) -> None:
-        self.kube = kube
-        self.stop_event = threading.Event()
-        self.lock = threading.Lock()
-        self.ok = 0
-        self.not_routed = 0  # turned away before any work: a pod that just went away or is draining
-        self.failures: list[str] = []
-        self.targets: list[str] = []
-        self.active = clients
-        self.pause = 0.0  # seconds each client waits between requests
-        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
-        self._refresh = threading.Thread(target=self._refresh_targets, daemon=True)
-
-    def __enter__(self) -> Load:
-        self._refresh_once()
-        self._refresh.start()
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        for thread in self.threads:
-            thread.join(timeout=120)
-
-    def resize(self, clients: int, pause: float = 0.0) -> None:
-        """Keeps only the first ``clients`` threads sending, each waiting ``pause`` s between requests."""
-        self.active, self.pause = clients, pause
-
-    def _refresh_once(self) -> None:
-        pods = [p for p in _engine_pods(self.kube) if _ready(p) and p["status"].get("podIP")]
-        self.targets = [f"http://{p['status']['podIP']}:{contract.ENGINE_PORT}" for p in pods]
-
-    def _refresh_targets(self) -> None:
-        while not self.stop_event.wait(0.5):
-            self._refresh_once()
-
-    def _client(self, index: int) -> None:
-        # A new connection per request: a request written on a kept-alive connection just as a
-        # drained pod's server closes it is reset (ReadError) though the pod drained correctly; a
-        # new connection to a closed server is refused instead (not routed), and a request the pod
-        # accepted and then dropped still fails the test.
-        with httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-            while not self.stop_event.is_set():
-                if index >= self.active or not self.targets:
-                    time.sleep(0.5)
-                    continue
-                time.sleep(self.pause)
-                target = self.targets[index % len(self.targets)]
-                body = {"model": NAME, "prompt": "tune me please", "max_tokens": 48, "ignore_eos": True}
-                try:
-                    response = client.post(f"{target}/v1/completions", json=body)
-                except httpx.ConnectError:
-                    with self.lock:
-                        self.not_routed += 1
-                    continue
-                except httpx.HTTPError as exc:
-                    with self.lock:
-                        self.failures.append(f"{target}: {type(exc).__name__}: {exc}")
-                    continue
-                with self.lock:
-                    if response.status_code == 200:
-                        self.ok += 1
-                    elif response.status_code == 503 and "shutting_down" in response.text:
-                        # A draining pod turns new requests away for another replica, as a
-                        # load balancer would retry (rare: the preStop sleep lets this client's
-                        # target list drop the pod before the engine drains).
-                        self.not_routed += 1
-                    else:
-                        self.failures.append(f"{target}: HTTP {response.status_code}: {response.text[:200]}")
-
-
 @pytest.fixture(scope="module")
-def load(kube, service):
-    with Load(kube, clients=24) as running:
+def load(engine_load, service):
+    body = {"model": NAME, "prompt": "tune me please", "max_tokens": 48, "ignore_eos": True}
+    with engine_load(NS, NAME, 24, lambda _: body) as running:
         yield running
 
 
