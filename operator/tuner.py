@@ -27,7 +27,8 @@ A pure function, in four named steps, each testable on synthetic streams:
    (more sequences would not raise throughput) or past what the KV cache holds at the observed
    lengths; a move that reverses the last one waits for a second window at the setting (a decrease
    ahead of the load, which held nothing back, is no verdict to reverse); when no setting
-   within the bounds is predicted to meet the SLO, the tuner measures a smaller one unless the
+   within the bounds is predicted to meet the SLO for the batch's own steps, or for steps carrying
+   prefill while the window's decode steps alone break it, the tuner measures a smaller one unless the
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
    then says so and keeps the setting with the best saturated throughput it has seen (below saturation,
    the setting it has) instead of walking down to the minimum (replicas are the cure).
@@ -555,14 +556,21 @@ def _aim(w: _Window) -> _Aim | Decision:
     # cost is concave in the batch), and until two batch sizes are fitted its slope is a prior: before
     # the SLO is called out of reach, or a prior sends the batch down, the windows say whether a
     # smaller setting can meet it.
+    # Where no setting is predicted to meet the SLO, the batch is part of the cause when the window's own
+    # decode steps, those that carried no prefill, break it (benchmarks/tuning.py run 24 from 256: ITL P99
+    # ~600 ms, the decode steps' P99 124 ms; on a prior that took half of the step as fixed cost every
+    # setting was predicted over the SLO once a prompt's chunk rode along, the tail was blamed on the
+    # chunks alone, and 256 held for all 12 intervals; the sweep read 92 ms at 64).
     probe, refuted = None, False
     prior_down = not prediction.cost.slope_measured and best is not None and best < m
-    if sample.latency_p99 > w.slo_latency and (decode_best is None or prior_down):
+    decode_steps = w.observation.decode_step_p99
+    batch_in_it = best is None and (decode_best is None or decode_steps is not None and decode_steps > w.slo_latency)
+    if sample.latency_p99 > w.slo_latency and (batch_in_it or prior_down):
         probe = _probe_below(w.history.samples, m, sample.running, w.slo_latency, target, bounds.min, w.config)
         if probe is None:
             refuted = prior_down
-        elif decode_best is None:
-            best = decode_best = probe[0]
+        elif best is None:
+            best = probe[0]
         else:
             best, probe = max(best, probe[0]), None  # a prior's move, no further than the windows' curve
     if best is None and sample.latency_p99 <= w.slo_latency:

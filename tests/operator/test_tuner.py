@@ -231,6 +231,35 @@ def test_prompts_joining_as_sequences_finish_are_not_a_tail_the_batch_cannot_cur
     assert engine.expected(final.max_num_seqs).output_tokens_per_second >= 0.9 * engine.oracle(TUNING), seqs
 
 
+# benchmarks/tuning.py run 24's first window from 256 (runs 2 and 3 held 256 for all 12 intervals on it):
+# 92% of the steps carried ~73 prefill tokens; the decode steps alone ran 95 ms (P99 124 ms) at 256.
+RUN_24_AT_256 = Observation(
+    window_seconds=12.03, pods=1, output_tokens_per_second=1596.4, prompt_tokens_per_second=416.9,
+    requests_per_second=13.89, requests_finished=167.0, itl_samples=19039.0, ttft_p50=30.0, ttft_p99=39.8,
+    itl_p50=0.1506, itl_p99=0.5633, e2e_p50=36.46, e2e_p99=59.42, queue_time_p99=29.9, mean_running_per_pod=256.0,
+    running=252.0, waiting=257.5, waiting_now=259.0, kv_cache_usage=0.0384, kv_cache_blocks=32768.0,
+    preemptions_per_second=0.0, prefix_cache_hit_rate=0.0, mean_output_tokens_per_request=114.97, max_num_seqs=256,
+    max_num_batched_tokens=512, gpu_memory_utilization=0.9, ttft_queue_share=0.9928,
+    step_cost_sums={"steps": 75.0, "rows": 19039.0, "prefill": 5014.0, "seconds": 11.4924, "rows_rows": 4833261.0,
+                    "rows_prefill": 1268300.0, "prefill_prefill": 504600.0, "rows_seconds": 2915.63,
+                    "prefill_seconds": 836.061, "seconds_seconds": 2.04285},
+    decode_step_mean=0.09496, decode_step_p99=0.12425, prefill_step_p99=0.5775, prefill_step_share=0.92,
+    prefill_tokens_per_prefill_step=72.67, tpot_samples=167.0, tpot_p99=0.1991, tpot_p95=0.1954, itl_mean=0.1589,
+    rejected_per_second=0.0, running_now=249.0)
+
+
+def test_a_batch_whose_own_decode_steps_break_the_slo_is_measured_smaller_not_kept_for_its_prefill():
+    # On a prior (one batch size: half the step taken as fixed cost) every setting, with a prompt's
+    # chunk riding along, was predicted over the SLO, and the tuner blamed the chunks alone and kept 256
+    # at 560-670 ms. The decode steps at 256 are over the target themselves: the batch is part of the
+    # cause, and the windows are asked first (the sweep read 92 ms at 64, 29 ms at 2).
+    settings = EngineSettings(max_num_seqs=256, gpu_memory_utilization=0.9)
+    within = tuning(seqs=(2, 256))
+    decision = tune(RUN_24_AT_256, settings, within, TuningHistory(), now=1000.0)
+    assert decision.settings.max_num_seqs == 64 and not decision.slo_unreachable, decision.reason
+    assert "measuring max_num_seqs 256 → 64" in decision.reason, decision.reason
+
+
 def test_a_window_over_the_slo_never_grows_on_a_prediction_alone():
     # tuning.py run 22: one decode step's 10x spike inflated the tail, the correction fell to its
     # bound x0.5 and the tuner grew 50 -> 63 from a window at 114 ms, over the 100 ms SLO.
