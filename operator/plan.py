@@ -157,11 +157,9 @@ def _restart_cost(reading: Reading) -> str:
     """What the rollout a new memory fraction starts costs: each pod replaced in turn, each new one taking
     about what this service's newest Ready engine took from start to Ready (its first Ready, most likely:
     an older pod's Ready condition may have changed since)."""
-    ready = [pod for pod in reading.pods if _start_to_ready_seconds(pod) is not None]
-    took = ""
-    if ready:
-        newest = max(ready, key=lambda pod: pod["status"]["startTime"])
-        took = f" (the newest engine took {_start_to_ready_seconds(newest):.0f} s from start to Ready)"
+    starts = [(pod["status"]["startTime"], seconds) for pod in reading.pods
+              if (seconds := _start_to_ready_seconds(pod)) is not None]  # RFC 3339 times sort as they read
+    took = f" (the newest engine took {max(starts)[1]:.0f} s from start to Ready)" if starts else ""
     if reading.spec.resources.gpus > 0:  # no spare GPU for a surge pod: each one is out of service meanwhile
         return f"restarting {len(reading.pods)} pod(s) one at a time, each out of service until Ready{took}"
     return f"replacing {len(reading.pods)} pod(s) one at a time, each new one beside the old until Ready{took}"
