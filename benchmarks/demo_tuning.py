@@ -107,6 +107,7 @@ class Load:
                 last = None
                 try:
                     with client.stream("POST", f"{self.url}/chat/completions", json=body) as response:
+                        response.raise_for_status()  # an error status is counted, not read as a stream
                         for line in sse_lines(response):
                             if not line.startswith("data: {"):
                                 continue
