@@ -13,11 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpilot import engine_contract as contract
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
-from kvpilot.kube_contract import pod_ready
+from kvpilot.kube_contract import pod_ready, pod_url
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +166,7 @@ class EngineLoad:
 
     def _refresh_once(self) -> None:
         pods = engine_pods(self.kube, self.namespace, self.name)
-        self.targets = [f"http://{p['status']['podIP']}:{contract.ENGINE_PORT}" for p in pods
-                        if pod_ready(p) and p["status"].get("podIP")]
+        self.targets = [pod_url(p["status"]["podIP"]) for p in pods if pod_ready(p) and p["status"].get("podIP")]
 
     def _refresh_targets(self) -> None:
         while not self.stop_event.wait(0.5):

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from kvpilot import engine_contract as contract
-from kvpilot.kube_contract import pod_ready
+from kvpilot.kube_contract import pod_ready, pod_url
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders
 from kvpilot.operator.engine_metrics import parse_snapshot
@@ -63,7 +63,7 @@ def _block_bytes(model_dir: Path) -> int:
 
 
 def _engine_metrics(pod: dict):
-    text = httpx.get(f"http://{pod['status']['podIP']}:{contract.ENGINE_PORT}/metrics", timeout=10).text
+    text = httpx.get(f"{pod_url(pod['status']['podIP'])}/metrics", timeout=10).text
     return parse_snapshot(text, time.time())
 
 
@@ -186,4 +186,5 @@ def test_preemptions_raise_the_memory_fraction_and_the_new_pod_stops_preempting(
     print(f"\nmemory {low:g} -> {high:g}: KV cache {tight['blocks']:.0f} -> {blocks:.0f} blocks; tight: "
           f"{preempted:.0f} preemptions, {tight_rate:.2f} req/s; after: 0 preemptions, "
           f"{(long_prompts.ok - ok_before) / (time.monotonic() - served_from):.2f} req/s; decision to the new pod "
-          f"Ready {ready - decided:.1f} s; {long_prompts.ok} requests served, {long_prompts.not_routed} turned away before any work, 0 failed\n{message.strip()}")
+          f"Ready {ready - decided:.1f} s; {long_prompts.ok} requests served, {long_prompts.not_routed} turned away "
+          f"before any work, 0 failed\n{message.strip()}")
