@@ -5,16 +5,18 @@ and the request-level P99s — and each rule is checked against what it is for."
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 
 from kvpilot import engine_contract as names
 from kvpilot.operator.engine_metrics import Observation
 from kvpilot.operator.spec import EngineSettings, Slo, Tuning
-from kvpilot.operator.tuner import TunerConfig, TuningHistory, tune
+from kvpilot.operator.tuner import Decision, TunerConfig, TuningHistory, tune
 
 
 def tuning(slo: Slo = Slo(itl_p99_seconds=0.100), seqs: tuple[int, int] = (1, 256),
@@ -258,6 +260,39 @@ def test_a_batch_whose_own_decode_steps_break_the_slo_is_measured_smaller_not_ke
     decision = tune(RUN_24_AT_256, settings, within, TuningHistory(), now=1000.0)
     assert decision.settings.max_num_seqs == 64 and not decision.slo_unreachable, decision.reason
     assert "measuring max_num_seqs 256 → 64" in decision.reason, decision.reason
+
+
+RUN_25 = json.loads((Path(__file__).parent / "tuning_run25_windows.json").read_text())
+
+
+def replay(windows: list[dict]) -> list[Decision]:
+    """The tuner's decisions on a benchmark's recorded windows, each read at the setting it was recorded at."""
+    settings, history, decisions = EngineSettings(max_num_seqs=windows[0]["max_num_seqs"],
+                                                  gpu_memory_utilization=0.9), TuningHistory(), []
+    for window in windows:
+        assert settings.max_num_seqs == window["max_num_seqs"], [d.reason for d in decisions]
+        decision = tune(Observation(**window["observation"]), settings, tuning(seqs=(2, 256)), history,
+                        now=1000.0 + window["t"])
+        decisions.append(decision)
+        settings, history = decision.settings, decision.history
+    return decisions
+
+
+def test_no_climb_towards_a_setting_confirmed_over_the_slo_for_a_gain_within_the_noise():
+    # Run 25 from 256, run 1: 64 read 111 ms and was cut to 45; 45 then read 80 ms twice and the tuner
+    # climbed to 60 (134 ms), cut to 42, climbed to 55: three reversals, for at most the 8% more that 64
+    # served (1,118 tok/s against 1,021-1,043 at 45).
+    decisions = replay(RUN_25["from_256_run_1"])
+    assert [d.settings.max_num_seqs for d in decisions] == [64, 45, 45, 45, 45], [d.reason for d in decisions]
+    assert "64, confirmed over it lately, served +" in decisions[-1].reason, decisions[-1].reason
+
+
+def test_a_climb_back_towards_a_setting_confirmed_over_the_slo_goes_halfway():
+    # Run 25 from 2, run 1: 64 read 116 and 133 ms and was cut to 30 (59 ms, 843 tok/s against 64's
+    # 1,066: a gain worth measuring); the tuner climbed straight back to 63, which read 105-109 ms.
+    decisions = replay(RUN_25["from_2_run_1"])
+    assert [d.settings.max_num_seqs for d in decisions][:6] == [4, 16, 64, 64, 30, 30], [d.reason for d in decisions]
+    assert 30 < decisions[-1].settings.max_num_seqs <= math.sqrt(30 * 64), decisions[-1].reason
 
 
 def test_a_window_over_the_slo_never_grows_on_a_prediction_alone():
