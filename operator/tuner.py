@@ -31,7 +31,7 @@ A pure function, in four named steps, each testable on synthetic streams:
    within the bounds is predicted to meet the SLO for the batch's own steps, or for steps carrying
    prefill while the window's decode steps alone break it, the tuner measures a smaller one unless the
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
-   then says so and keeps the setting with the best saturated throughput it has seen (below saturation,
+   then says so and keeps the setting with the best saturated goodput it has seen (below saturation,
    the setting it has) instead of walking down to the minimum (replicas are the cure).
 4. **Move** (``_step``, ``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
    up per interval and down to ÷4 of the running batch (a decrease acts in the engine's next step: it
@@ -582,19 +582,25 @@ def _aim(w: _Window) -> _Aim | Decision:
         # The tail is prefill chunks sharing decode steps: a smaller budget per step cures it.
         return _budget_move(w, f"{w.where}: steps carrying prefill chunks set the tail{w.why}", grow=False)
     if best is None or refuted:
-        prefill_made = best is None and decode_best is not None
+        prefill_made = best is None and decode_best is not None and not batch_in_it
         # Below saturation the throughput is the load's: a larger setting would only let a backlog run at
         # once, each step slower (tuning_day.py run 21: beside the neighbour, 33 -> 62 at batch 17 and 114 ms
         # ran 40 at 125 ms).
-        seen = None if prefill_made or not sample.saturated else _best_seen(w.history.samples)
+        seen = None if prefill_made or not sample.saturated else _best_seen(w.history.samples, w.slo_latency)
         kept = seen or m
-        cause = ("the tail comes from steps carrying prefill chunks, which a smaller batch does not cure "
-                 "(bounds in spec.tuning.maxNumBatchedTokens let the tuner cap them)"
-                 if prefill_made else f"even {bounds.min} sequences are predicted over it")
+        if prefill_made:
+            cause = ("the tail comes from steps carrying prefill chunks, which a smaller batch does not cure "
+                     "(bounds in spec.tuning.maxNumBatchedTokens let the tuner cap them)")
+        elif best is None and decode_best is None:
+            cause = f"even {bounds.min} sequences are predicted over it"
+        else:  # the prior's smaller setting, or the decode steps' own tail, refuted by the windows below
+            cause = "the windows at smaller settings show none that meets it"
+            if decode_steps is not None and decode_steps > w.slo_latency:
+                cause = f"the decode steps alone read a P99 of {decode_steps * 1e3:.0f} ms, and {cause}"
         return w.decide(_with_seqs(w.settings, kept),
-                        f"{w.where}: no maxNumSeqs within {bounds.min}..{bounds.max} is predicted to meet "
+                        f"{w.where}: no maxNumSeqs within {bounds.min}..{bounds.max} is expected to meet "
                         f"{w.slo_text}: {cause}; keeping {kept}, "
-                        f"{'the best throughput seen' if seen else 'the setting in effect'}, for the autoscaler's "
+                        f"{'the best goodput seen' if seen else 'the setting in effect'}, for the autoscaler's "
                         f"replicas to relieve{w.why}", unreachable=True)
     return _Aim(best, probe)
 
@@ -650,9 +656,16 @@ def _verdict(w: _Window, aim: _Aim) -> _Aim | Decision:
     """Coming down. Below the SLO with the batch under the setting, the setting waits ahead of the load
     (``_ahead``). Over it, a verdict needs evidence that tells the setting from the SLO: a window clearly
     over (beyond the noise band of recent windows) or over in two of the latest four, whose requests
-    ran at this batch; then the cut aims where this window's conditions would meet the target."""
+    ran at this batch; then the cut aims where this window's conditions would meet the target. Two windows
+    over it overrule a prediction that puts the setting within the SLO (one may be a spike the prediction
+    rightly discounts): its correction may have been learned from a window that read far under it
+    (``benchmarks/tuning.py`` run 24 from 2: a window at 62 read 137 ms against a predicted 270, the
+    correction fell to ×0.50, and 62 held two more windows at 133 and 123 ms, "the prediction puts the
+    best setting here")."""
     m, sample = w.m, w.sample
-    if aim.best >= m or aim.ttft_driven:
+    overruled = aim.best >= m and sample.latency_p99 > w.slo_latency and \
+        _over_twice(w.history.samples, m, w.slo_latency)
+    if (aim.best >= m and not overruled) or aim.ttft_driven:
         return aim
     if sample.latency_p99 <= w.slo_latency:
         ahead = _ahead(w.prediction, sample, w.tokens, w.target, w.tuning.max_num_seqs.min, m, w.config)
@@ -685,8 +698,14 @@ def _verdict(w: _Window, aim: _Aim) -> _Aim | Decision:
         # interval later, one too deep costs throughput until the climb back (tuning_day.py run 17: a noisy
         # node's first window over, 117 ms at 23, aimed at a 25% margin's 75 ms and cut 28 to 12, which
         # queued the phase: 45% of its requests within the SLO, where 32 served 95%).
-        cut_target = w.slo_latency * (1 - w.config.margin)
-        return replace(aim, best=_cut(w.prediction, sample, w.tokens, cut_target, w.tuning.max_num_seqs.min, m))
+        cut_target, low = w.slo_latency * (1 - w.config.margin), w.tuning.max_num_seqs.min
+        if overruled:
+            # Halfway (geometrically) to where the window's own point, carried along the fitted curve, meets
+            # the target: the windows outweigh the prediction, not by all of their distance from it.
+            own = _through(w.prediction, sample, w.tokens)
+            deep = _largest(lambda s: own.latency_p99(s, w.tokens) <= cut_target, low, m - 1) or low
+            return replace(aim, best=min(math.floor(math.sqrt(deep * m)), m - 1))
+        return replace(aim, best=_cut(w.prediction, sample, w.tokens, cut_target, low, m))
     return aim
 
 
@@ -1131,11 +1150,16 @@ def _budget_move(w: _Window, why: str, *, grow: bool) -> Decision:
     return w.decide(w.settings.replace(max_num_batched_tokens=new), f"{why}: max_num_batched_tokens {tokens} → {new}")
 
 
-def _best_seen(samples: tuple[Sample, ...]) -> int | None:
-    """The setting whose saturated window served the most tokens per second (below saturation, the
-    throughput is the load's, not the setting's)."""
+def _best_seen(samples: tuple[Sample, ...], slo: float) -> int | None:
+    """The setting whose saturated window served the most goodput (below saturation, the throughput is
+    the load's, not the setting's): its tokens per second, × SLO / latency P99 where that is over the SLO,
+    as a window far over it serves few of its tokens within it (benchmarks/tuning.py run 26 from 256: one
+    window at 64 read 107 ms, the SLO was called out of reach, and 256, which had served 1.5x the tokens at
+    558 ms, was kept: 8 intervals over the SLO)."""
     saturated = [s for s in samples if s.saturated]
-    return max(saturated, key=lambda s: s.tokens_per_second).max_num_seqs if saturated else None
+    if not saturated:
+        return None
+    return max(saturated, key=lambda s: s.tokens_per_second * min(1.0, slo / max(s.latency_p99, 1e-9))).max_num_seqs
 
 
 def _after_oom(settings: EngineSettings, tuning: Tuning, history: TuningHistory, oom_kills: int, now: float,

@@ -262,7 +262,7 @@ def test_a_batch_whose_own_decode_steps_break_the_slo_is_measured_smaller_not_ke
     assert "measuring max_num_seqs 256 → 64" in decision.reason, decision.reason
 
 
-RUN_25 = json.loads((Path(__file__).parent / "tuning_run25_windows.json").read_text())
+WINDOWS = json.loads((Path(__file__).parent / "tuning_benchmark_windows.json").read_text())
 
 
 def replay(windows: list[dict]) -> list[Decision]:
@@ -282,7 +282,7 @@ def test_no_climb_towards_a_setting_confirmed_over_the_slo_for_a_gain_within_the
     # Run 25 from 256, run 1: 64 read 111 ms and was cut to 45; 45 then read 80 ms twice and the tuner
     # climbed to 60 (134 ms), cut to 42, climbed to 55: three reversals, for at most the 8% more that 64
     # served (1,118 tok/s against 1,021-1,043 at 45).
-    decisions = replay(RUN_25["from_256_run_1"])
+    decisions = replay(WINDOWS["run_25_from_256_run_1"])
     assert [d.settings.max_num_seqs for d in decisions] == [64, 45, 45, 45, 45], [d.reason for d in decisions]
     assert "64, confirmed over it lately, served +" in decisions[-1].reason, decisions[-1].reason
 
@@ -290,9 +290,29 @@ def test_no_climb_towards_a_setting_confirmed_over_the_slo_for_a_gain_within_the
 def test_a_climb_back_towards_a_setting_confirmed_over_the_slo_goes_halfway():
     # Run 25 from 2, run 1: 64 read 116 and 133 ms and was cut to 30 (59 ms, 843 tok/s against 64's
     # 1,066: a gain worth measuring); the tuner climbed straight back to 63, which read 105-109 ms.
-    decisions = replay(RUN_25["from_2_run_1"])
+    decisions = replay(WINDOWS["run_25_from_2_run_1"])
     assert [d.settings.max_num_seqs for d in decisions][:6] == [4, 16, 64, 64, 30, 30], [d.reason for d in decisions]
     assert 30 < decisions[-1].settings.max_num_seqs <= math.sqrt(30 * 64), decisions[-1].reason
+
+
+def test_two_windows_over_the_slo_overrule_a_prediction_that_keeps_the_setting():
+    # Run 24 from 2, run 1: the first window at 62 read 137 ms against a predicted 270 (its prefill
+    # chunks), the correction fell to x0.50, and the prediction kept 62 through two more windows over the
+    # SLO (133, 123 ms); the sweeps read 92 ms at 64. The second window over cuts, halfway to where its
+    # own point puts the SLO.
+    decisions = replay(WINDOWS["run_24_from_2_run_1"])
+    assert [d.settings.max_num_seqs for d in decisions][:4] == [4, 16, 62, 62], [d.reason for d in decisions]
+    assert 27 < decisions[-1].settings.max_num_seqs < 62, decisions[-1].reason
+    assert "is over the target" in decisions[-1].reason, decisions[-1].reason
+
+
+def test_an_slo_called_out_of_reach_keeps_the_best_goodput_not_a_throughput_far_over_it():
+    # Run 26 from 256, run 2: 64 read 94, 98 and then 107 ms; on a one-batch-size prior no setting was
+    # predicted to meet the SLO, and the tuner kept 256, which had served 1.5x the tokens at 558 ms:
+    # back and forth between 64 and 256 for the rest of the run, 8 intervals over the SLO.
+    decisions = replay(WINDOWS["run_26_from_256_run_2"])
+    assert [d.settings.max_num_seqs for d in decisions] == [64, 64, 64, 64], [d.reason for d in decisions]
+    assert "keeping 64, the best goodput seen" in decisions[-1].reason, decisions[-1].reason
 
 
 def test_a_window_over_the_slo_never_grows_on_a_prediction_alone():
