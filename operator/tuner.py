@@ -33,8 +33,8 @@ A pure function, in four named steps, each testable on synthetic streams:
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
    then says so and keeps the setting with the best saturated goodput it has seen (below saturation,
    the setting it has) instead of walking down to the minimum (replicas are the cure).
-4. **Move** (``_step``, ``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×2
-   up per interval and down to ÷4 of the running batch (a decrease acts in the engine's next step: it
+4. **Move** (``_step``, ``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×4
+   up per interval (×2 until the slope is measured) and down to ÷4 of the running batch (a decrease acts in the engine's next step: it
    preempts the excess), and a cut aims at the SLO with the least margin, no deeper than the window's
    own P99, carried along the fitted curve, needs (``_cut``); overloaded (requests turned away),
    growth as far as that same curve through the window's own point allows. While the batch stays
