@@ -18,6 +18,8 @@ from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
 from kvpilot.kube_contract import pod_ready, pod_url
 
+from .service_reads import engine_arg, engine_pods
+
 
 @pytest.fixture(scope="module")
 def cluster(local_cluster):
@@ -76,18 +78,6 @@ def children_once(kube):
         return found
 
     return check
-
-
-def engine_arg(pod_or_template: dict, flag: str) -> str:
-    """The value of one `kvpilot serve` flag in an engine pod's (or pod template's) arguments."""
-    args = pod_or_template["spec"]["containers"][0]["args"]
-    return args[args.index(flag) + 1]
-
-
-def engine_pods(kube: Kube, namespace: str, name: str) -> list[dict]:
-    """The service's engine pods that are not being deleted."""
-    pods = kube.list("v1", "Pod", namespace, label_selector=builders.selector_string(name))
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
 @pytest.fixture(scope="module")

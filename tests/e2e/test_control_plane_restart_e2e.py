@@ -36,6 +36,8 @@ from kvpilot.kube_contract import pod_ready
 from kvpilot.operator.engine_metrics import parse_snapshot
 from kvpilot.operator.spec import EngineSettings, parse_spec
 
+from .service_reads import engine_arg, engine_pods, service_status
+
 pytestmark = pytest.mark.e2e
 
 NS = "kvpilot-cp-restart"
@@ -79,22 +81,12 @@ def tuned(cluster, kube, chart_operator, converged, tiny_model_dir):
     tuned_settings = EngineSettings.of(spec.engine).model_copy(update={"max_num_seqs": TUNED_MAX_NUM_SEQS})
     kube.apply(builders.build_tuning_configmap(NAME, NS, spec, tuned_settings),
                owner=kube.get_inference_service(NS, NAME))  # fmt: skip
-    wait_until(lambda: _status(kube).get("engine", {}).get("maxNumSeqs") == TUNED_MAX_NUM_SEQS, 60,
+    wait_until(lambda: service_status(kube, NS, NAME).get("engine", {}).get("maxNumSeqs") == TUNED_MAX_NUM_SEQS, 60,
                "status.engine to show the tuned maxNumSeqs")  # fmt: skip
 
 
-def _status(kube) -> dict:
-    return (kube.get_inference_service(NS, NAME) or {}).get("status") or {}
-
-
-def _engine_pods(kube) -> list[dict]:
-    pods = kube.list("v1", "Pod", NS, label_selector=builders.selector_string(NAME))
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-
 def _kv_cache_mib(pod_or_template: dict) -> int:
-    args = pod_or_template["spec"]["containers"][0]["args"]
-    return int(args[args.index("--kv-cache-memory") + 1].removesuffix("MiB"))
+    return int(engine_arg(pod_or_template, "--kv-cache-memory").removesuffix("MiB"))
 
 
 def _engine_max_num_seqs(pod: dict) -> int:
@@ -140,16 +132,17 @@ def test_a_rollout_converges_through_api_server_and_etcd_restarts(
         fault = FAULTS[round_ % len(FAULTS)]
         mib = 65 + round_
         restarts_before = _operator_restarts(kube)
-        old_pod = _engine_pods(kube)[0]
+        old_pod = engine_pods(kube, NS, NAME)[0]
         old_url = f"http://{old_pod['status']['podIP']}:{contract.ENGINE_PORT}"
         with httpx.Client(timeout=60) as client:
             model = client.get(f"{old_url}/v1/models").json()["data"][0]["id"]
             cluster.kubectl("patch", "kvis", NAME, "-n", NS, "--type", "merge",
                             "-p", json.dumps({"spec": {"engine": {"extraArgs": _kv_cache_args(mib)}}}))
             # The rollout has begun: the operator rendered the new template and its pod is starting.
-            wait_until(lambda: any(_kv_cache_mib(p) == mib for p in _engine_pods(kube)), 60, "the new pod")
+            wait_until(lambda: any(_kv_cache_mib(p) == mib for p in engine_pods(kube, NS, NAME)), 60, "the new pod")
             time.sleep(rng.uniform(0.0, 1.0))
-            assert not any(pod_ready(p) for p in _engine_pods(kube) if _kv_cache_mib(p) == mib), "rollout already done"
+            assert not any(pod_ready(p) for p in engine_pods(kube, NS, NAME) if _kv_cache_mib(p) == mib), \
+                "rollout already done"
             stopped_at = time.monotonic()
             with _stopped(cluster, fault):
                 served = [_complete(client, old_url, model) for _ in range(3)]  # the data plane goes on
@@ -162,8 +155,8 @@ def test_a_rollout_converges_through_api_server_and_etcd_restarts(
         assert {kind: child["metadata"]["uid"] for kind, child in children.items()} == uids  # none recreated
         assert children["Secret"]["data"] == token  # the engines' admin token is never regenerated
         assert children["ConfigMap"]["data"] == tuning  # the tuned state, not the spec's 16
-        assert _status(kube)["engine"]["maxNumSeqs"] == TUNED_MAX_NUM_SEQS
-        assert _engine_max_num_seqs(_engine_pods(kube)[0]) == TUNED_MAX_NUM_SEQS  # read at start from the file
+        assert service_status(kube, NS, NAME)["engine"]["maxNumSeqs"] == TUNED_MAX_NUM_SEQS
+        assert _engine_max_num_seqs(engine_pods(kube, NS, NAME)[0]) == TUNED_MAX_NUM_SEQS  # read at start from the file
         rows.append((" + ".join(fault), back_at - stopped_at, converged_at - back_at,
                      _operator_restarts(kube) - restarts_before))
 

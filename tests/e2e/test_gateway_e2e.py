@@ -24,9 +24,12 @@ import httpx
 import pytest
 
 from kvpilot import gateway_contract as gateway
+from kvpilot.kube_contract import pod_ready
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
+
+from .service_reads import engine_pods
 
 pytestmark = pytest.mark.e2e
 
@@ -112,9 +115,7 @@ def _wait(cluster, predicate, timeout: float, what: str):
 
 
 def _ready_pods(kube, name: str) -> list[str]:
-    pods = kube.list("v1", "Pod", NS, label_selector=builders.selector_string(name))
-    return sorted(f"{NS}/{p['metadata']['name']}" for p in pods if not p["metadata"].get("deletionTimestamp")
-                  and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])))
+    return sorted(f"{NS}/{p['metadata']['name']}" for p in engine_pods(kube, NS, name) if pod_ready(p))
 
 
 def _routable(url: str, model: str, ready: int) -> bool:

@@ -21,9 +21,10 @@ import pytest
 from kvpilot import engine_contract as contract
 from kvpilot.kube_contract import pod_ready, pod_url
 from kvpilot.localcluster.testing import wait_until
-from kvpilot.operator import builders
 from kvpilot.operator.engine_metrics import parse_snapshot
 from kvpilot.operator.tuner import TunerConfig
+
+from .service_reads import engine_arg, engine_pods, service_events, service_status
 
 pytestmark = pytest.mark.e2e
 
@@ -37,10 +38,6 @@ MAX_NUM_SEQS = 16
 TIGHT_BLOCKS = 400  # ~6,400 tokens: 16 sequences admitted at ~290 tokens grow to ~610 (~620 blocks)
 STEP = TunerConfig().memory_step  # 0.02 of 4 GiB: ~5,000 blocks more
 ENGINE_READY_S = 240
-
-
-def _status(kube) -> dict:
-    return (kube.get_inference_service(NS, NAME) or {}).get("status") or {}
 
 
 def _manifest(model_dir: Path, fraction: float, tuning: dict | None) -> dict:
@@ -67,19 +64,13 @@ def _engine_metrics(pod: dict):
     return parse_snapshot(text, time.time())
 
 
-def _engine_pods(kube) -> list[dict]:
-    pods = kube.list("v1", "Pod", NS, label_selector=builders.selector_string(NAME))
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-
 def _fraction(pod: dict) -> float:
-    args = pod["spec"]["containers"][0]["args"]
-    return float(args[args.index("--gpu-memory-utilization") + 1])
+    return float(engine_arg(pod, "--gpu-memory-utilization"))
 
 
 def _the_pod_at(kube, fraction: float) -> dict | None:
     """The one Ready engine pod, when it runs ``fraction``."""
-    pods = _engine_pods(kube)
+    pods = engine_pods(kube, NS, NAME)
     return pods[0] if len(pods) == 1 and pod_ready(pods[0]) and _fraction(pods[0]) == fraction else None
 
 
@@ -89,20 +80,15 @@ def _wait(kube, load, predicate, timeout: float, what: str):
         return wait_until(predicate, timeout, what, interval=0.5)
     except AssertionError as exc:
         seen = []
-        for pod in _engine_pods(kube):
+        for pod in engine_pods(kube, NS, NAME):
             try:
                 m = _engine_metrics(pod)
                 seen.append(f"{pod['metadata']['name']} at {_fraction(pod)}: gauges {m.gauges}, counters {m.counters}")
             except httpx.HTTPError as error:
                 seen.append(f"{pod['metadata']['name']}: {error}")
         raise AssertionError(f"{exc}\nload: {load.ok} ok, {load.not_routed} not routed, failures "
-                             f"{load.failures[:3]}\n" + "\n".join(seen) + f"\nstatus: {_status(kube)}") from None
-
-
-def _events(cluster, reason: str) -> str:
-    return cluster.kubectl("get", "events", "-n", NS, "--field-selector",
-                           f"involvedObject.kind=InferenceService,involvedObject.name={NAME},reason={reason}",
-                           "-o", "custom-columns=MESSAGE:.message", "--no-headers").stdout
+                             f"{load.failures[:3]}\n" + "\n".join(seen)
+                             + f"\nstatus: {service_status(kube, NS, NAME)}") from None
 
 
 @pytest.fixture(scope="module")
@@ -157,17 +143,18 @@ def test_preemptions_raise_the_memory_fraction_and_the_new_pod_stops_preempting(
     _wait(kube, long_prompts, lambda: _engine_metrics(old).counters.get(contract.PREEMPTIONS, 0) > 0, 60,
           "the tight engine to preempt")
     ok_tight, tight_from = long_prompts.ok, time.monotonic()
-    _wait(kube, long_prompts, lambda: (_status(kube).get("engine") or {}).get("gpuMemoryUtilization") == high, 120,
+    _wait(kube, long_prompts,
+          lambda: (service_status(kube, NS, NAME).get("engine") or {}).get("gpuMemoryUtilization") == high, 120,
           f"the tuner to raise the fraction to {high}")
     decided = time.monotonic()
     tight_rate = (long_prompts.ok - ok_tight) / (decided - tight_from)
     preempted = _engine_metrics(old).counters[contract.PREEMPTIONS]
-    new = wait_until(lambda: next((p for p in _engine_pods(kube) if pod_ready(p) and _fraction(p) == high), None),
-                     ENGINE_READY_S, f"a Ready engine at {high}", interval=0.5)
+    new = wait_until(lambda: next((p for p in engine_pods(kube, NS, NAME) if pod_ready(p) and _fraction(p) == high),
+                                  None), ENGINE_READY_S, f"a Ready engine at {high}", interval=0.5)
     ready = time.monotonic()
     wait_until(lambda: _the_pod_at(kube, high), 60, "the old pod to go", interval=0.5)
 
-    message = _events(cluster, "TunedMemory")
+    message = service_events(cluster, NS, NAME, "TunedMemory")
     assert f"gpu_memory_utilization {low:g} → {high:g}" in message and "preempting" in message, message
     # The cost of the restart, said: the pods go one at a time, each new one as slow to start as the last.
     assert "replacing 1 pod(s) one at a time, each new one beside the old until Ready (the newest engine took " \

@@ -22,9 +22,12 @@ import pytest
 import yaml
 
 from kvpilot.engine_contract import API_KEY_ENV, CHAT_TEMPLATE_ENV
+from kvpilot.kube_contract import pod_ready
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
+
+from .service_reads import engine_arg, engine_pods
 
 pytestmark = pytest.mark.e2e
 
@@ -77,13 +80,9 @@ def _wait_operator_running(cluster, kube) -> dict:
         pods = {p["metadata"]["name"]: p for p in kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
                 if not p["metadata"].get("deletionTimestamp")}
         leader = pods.get(_lease_holder(kube) or "")
-        return leader if len(pods) == 2 and all(_ready(p) for p in pods.values()) else None
+        return leader if len(pods) == 2 and all(pod_ready(p) for p in pods.values()) else None
 
     return _wait(cluster, running, 90, "two operator replicas, one of them leading")
-
-
-def _ready(pod: dict) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
 
 
 def _diagnostics(cluster) -> str:
@@ -126,15 +125,6 @@ def _wait_ready(cluster, kube, name: str, replicas: int) -> dict:
                         and status.get("observedGeneration") == kvis["metadata"]["generation"]) else None
 
     return _wait(cluster, ready, ENGINE_READY_S, f"InferenceService {name} Ready with {replicas} replicas")
-
-
-def _engine_pods(kube, name: str) -> list[dict]:
-    pods = kube.list("v1", "Pod", NS, label_selector=builders.selector_string(name))
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-
-def _flag(args: list[str], flag: str) -> str:
-    return args[args.index(flag) + 1]
 
 
 def _engine_processes(model_dir: Path) -> list[int]:
@@ -190,8 +180,8 @@ def test_example_becomes_children_and_serves(cluster, kube, operator, tiny_spec)
     assert container["args"][:2] == ["serve", "/mnt/models"]
     volume = next(v for v in pod_spec["volumes"] if v["name"] == "model")
     assert volume["hostPath"] == {"path": tiny_spec["spec"]["model"]["uri"][len("file://"):], "type": "Directory"}
-    assert _flag(container["args"], "--served-model-name") == "tiny"
-    assert _flag(container["args"], "--max-num-seqs") == "16"
+    assert engine_arg(deployment["spec"]["template"], "--served-model-name") == "tiny"
+    assert engine_arg(deployment["spec"]["template"], "--max-num-seqs") == "16"
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     service = kube.get("v1", "Service", NS, "tiny")
@@ -206,7 +196,7 @@ def test_example_becomes_children_and_serves(cluster, kube, operator, tiny_spec)
     assert status["selector"] == builders.selector_string("tiny")
     assert status["engine"]["maxNumSeqs"] == 16
 
-    (pod,) = _engine_pods(kube, "tiny")
+    (pod,) = engine_pods(kube, NS, "tiny")
     response = httpx.post(f"http://{pod['status']['podIP']}:8000/v1/completions",
                           json={"model": "tiny", "prompt": "Hello", "max_tokens": 4}, timeout=60)
     assert response.status_code == 200, response.text
@@ -223,19 +213,19 @@ def test_example_becomes_children_and_serves(cluster, kube, operator, tiny_spec)
 
 
 def test_editing_the_engine_rolls_the_pods(cluster, kube, operator):
-    (old_pod,) = _engine_pods(kube, "tiny")
+    (old_pod,) = engine_pods(kube, NS, "tiny")
     cluster.kubectl("patch", "kvis", "tiny", "-n", NS, "--type", "merge",
                     "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 8}}}))
 
     def rolled():
-        pods = _engine_pods(kube, "tiny")
-        return len(pods) == 1 and pods[0]["metadata"]["uid"] != old_pod["metadata"]["uid"] and _ready(pods[0])
+        pods = engine_pods(kube, NS, "tiny")
+        return len(pods) == 1 and pods[0]["metadata"]["uid"] != old_pod["metadata"]["uid"] and pod_ready(pods[0])
 
     _wait(cluster, rolled, ENGINE_READY_S, "a new engine pod to replace the old one")
     kvis = _wait_ready(cluster, kube, "tiny", 1)
     assert kvis["status"]["engine"]["maxNumSeqs"] == 8
-    (pod,) = _engine_pods(kube, "tiny")
-    assert _flag(pod["spec"]["containers"][0]["args"], "--max-num-seqs") == "8"
+    (pod,) = engine_pods(kube, NS, "tiny")
+    assert engine_arg(pod, "--max-num-seqs") == "8"
     configmap = kube.get("v1", "ConfigMap", NS, "tiny-tuning")
     assert json.loads(configmap["data"]["tuning.json"]) == {"maxNumSeqs": 8}
 
@@ -256,8 +246,7 @@ def test_kubectl_scale_adds_a_replica_and_a_pdb(cluster, kube, operator):
 
 
 def _deployment_max_num_seqs(kube) -> str:
-    return _flag(kube.get("apps/v1", "Deployment", NS, "tiny")["spec"]["template"]["spec"]["containers"][0]["args"],
-                 "--max-num-seqs")
+    return engine_arg(kube.get("apps/v1", "Deployment", NS, "tiny")["spec"]["template"], "--max-num-seqs")
 
 
 def test_the_standby_takes_over_when_the_leader_is_killed_mid_reconcile(cluster, kube, operator, converged):
@@ -335,19 +324,20 @@ def test_full_example_renders_every_field(cluster, kube, operator):
     full["spec"]["imagePullPolicy"] = "Always"
     _apply(cluster, full)
     deployment = _wait(cluster, lambda: kube.get("apps/v1", "Deployment", NS, "llama3-8b"), 30, "the Deployment")
-    pod_spec = deployment["spec"]["template"]["spec"]
+    template = deployment["spec"]["template"]
+    pod_spec = template["spec"]
     container = pod_spec["containers"][0]
     assert deployment["spec"]["replicas"] == 2
     assert container["image"] == "ghcr.io/kvpilot/kvpilot:0.1.0" and container["imagePullPolicy"] == "Always"
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "cpu": "8", "memory": "48Gi"}
     args = container["args"]
-    assert _flag(args, "--max-num-batched-tokens") == "8192" and _flag(args, "--dtype") == "bfloat16"
-    assert _flag(args, "--served-model-name") == "llama3" and args[-2:] == ["--max-waiting-requests", "512"]
-    assert _flag(args, "--max-num-seqs") == "64" and _flag(args, "--gpu-memory-utilization") == "0.9"
-    assert _flag(args, "--block-size") == "16" and _flag(args, "--max-model-len") == "8192"
+    assert engine_arg(template, "--max-num-batched-tokens") == "8192" and engine_arg(template, "--dtype") == "bfloat16"
+    assert engine_arg(template, "--served-model-name") == "llama3" and args[-2:] == ["--max-waiting-requests", "512"]
+    assert engine_arg(template, "--max-num-seqs") == "64" and engine_arg(template, "--gpu-memory-utilization") == "0.9"
+    assert engine_arg(template, "--block-size") == "16" and engine_arg(template, "--max-model-len") == "8192"
     assert "--enable-chunked-prefill" in args and "--enable-prefix-caching" in args
-    assert _flag(args, "--quantization") == "auto" and _flag(args, "--tool-call-parser") == "json"
-    assert json.loads(_flag(args, "--speculative-config")) == {
+    assert engine_arg(template, "--quantization") == "auto" and engine_arg(template, "--tool-call-parser") == "json"
+    assert json.loads(engine_arg(template, "--speculative-config")) == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
         "disable_by_batch_size": 4,
     }
@@ -378,5 +368,5 @@ def test_deleting_removes_every_child_and_stops_the_engines(cluster, kube, opera
     children = (("apps/v1", "Deployment", "tiny"), ("v1", "Service", "tiny"), ("v1", "ConfigMap", "tiny-tuning"),
                 ("v1", "Secret", "tiny-admin"), ("policy/v1", "PodDisruptionBudget", "tiny"))
     _wait(cluster, lambda: all(kube.get(v, k, NS, n) is None for v, k, n in children), 60, "every child to go")
-    _wait(cluster, lambda: not _engine_pods(kube, "tiny"), 60, "the engine pods to go")
+    _wait(cluster, lambda: not engine_pods(kube, NS, "tiny"), 60, "the engine pods to go")
     _wait(cluster, lambda: not _engine_processes(Path(tiny_model_dir).resolve()), 60, "the engine processes to stop")

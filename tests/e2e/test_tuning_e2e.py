@@ -21,9 +21,12 @@ import httpx
 import pytest
 
 from kvpilot import engine_contract as contract
+from kvpilot.kube_contract import pod_ready
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
 from kvpilot.operator.engine_metrics import parse_snapshot
+
+from .service_reads import engine_pods, service_events, service_status
 
 pytestmark = pytest.mark.e2e
 
@@ -43,22 +46,9 @@ def _wait(cluster, kube, predicate, timeout: float, what: str):
         logs = [cluster.pod_log(NS, p["metadata"]["name"], "operator")[-5000:]
                 for p in kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)]
         table = cluster.kubectl("get", "kvis,pods", "-n", NS, "-o", "wide", check=False).stdout
-        decisions = {k: (_status(kube).get(k) or {}).get("reason") for k in ("tuning", "autoscaling")}
+        decisions = {k: (service_status(kube, NS, NAME).get(k) or {}).get("reason") for k in ("tuning", "autoscaling")}
         raise AssertionError(f"{exc}\n{table}\nlast decisions: {decisions}\n--- operator log tail:\n"
                              + "\n".join(logs)) from None
-
-
-def _ready(pod: dict) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
-
-
-def _engine_pods(kube) -> list[dict]:
-    pods = kube.list("v1", "Pod", NS, label_selector=builders.selector_string(NAME))
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-
-def _status(kube) -> dict:
-    return (kube.get_inference_service(NS, NAME) or {}).get("status") or {}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +72,7 @@ def operator(cluster, kube):
     def running():
         pods = [p for p in kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
                 if not p["metadata"].get("deletionTimestamp")]
-        return len(pods) == 1 and _ready(pods[0])
+        return len(pods) == 1 and pod_ready(pods[0])
 
     _wait(cluster, kube, running, 90, "the operator pod to run")
     yield
@@ -106,7 +96,8 @@ def service(cluster, kube, operator, tiny_model_dir):
         },
     }
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
-    _wait(cluster, kube, lambda: _status(kube).get("readyReplicas") == 1, ENGINE_READY_S, "the first engine pod")
+    _wait(cluster, kube, lambda: service_status(kube, NS, NAME).get("readyReplicas") == 1, ENGINE_READY_S,
+          "the first engine pod")
     return manifest
 
 
@@ -122,28 +113,23 @@ def _engine_max_num_seqs(pod: dict) -> int:
     return int(parse_snapshot(text, 0.0).gauges[contract.MAX_NUM_SEQS])
 
 
-def _events(cluster, reason: str) -> str:
-    return cluster.kubectl("get", "events", "-n", NS, "--field-selector",
-                           f"involvedObject.kind=InferenceService,involvedObject.name={NAME},reason={reason}",
-                           "-o", "custom-columns=MESSAGE:.message", "--no-headers").stdout
-
-
 def test_max_num_seqs_grows_live_under_load(cluster, kube, load):
-    (before,) = [p for p in _engine_pods(kube) if _ready(p)]
-    _wait(cluster, kube, lambda: (_status(kube).get("engine") or {}).get("maxNumSeqs", 2) > 2, 180,
+    (before,) = [p for p in engine_pods(kube, NS, NAME) if pod_ready(p)]
+    _wait(cluster, kube, lambda: (service_status(kube, NS, NAME).get("engine") or {}).get("maxNumSeqs", 2) > 2, 180,
           "the tuner to raise maxNumSeqs")
-    tuned = _status(kube)["engine"]["maxNumSeqs"]
+    tuned = service_status(kube, NS, NAME)["engine"]["maxNumSeqs"]
 
     after = kube.get("v1", "Pod", NS, before["metadata"]["name"])
     assert after["metadata"]["uid"] == before["metadata"]["uid"]
     assert all(c.get("restartCount", 0) == 0 for c in after["status"]["containerStatuses"])
-    _wait(cluster, kube, lambda: _engine_max_num_seqs(after) == _status(kube)["engine"]["maxNumSeqs"], 30,
+    _wait(cluster, kube,
+          lambda: _engine_max_num_seqs(after) == service_status(kube, NS, NAME)["engine"]["maxNumSeqs"], 30,
           "the engine to run the tuned maxNumSeqs")
     configmap = kube.get("v1", "ConfigMap", NS, builders.tuning_configmap_name(NAME))
     assert json.loads(configmap["data"]["tuning.json"])["maxNumSeqs"] >= tuned
 
-    status = _status(kube)
-    assert "max_num_seqs 2 →" in _events(cluster, "Tuned")
+    status = service_status(kube, NS, NAME)
+    assert "max_num_seqs 2 →" in service_events(cluster, NS, NAME, "Tuned")
     assert status["tuning"]["reason"] and status["tuning"]["history"]
     assert status["metrics"]["outputTokensPerSecond"] > 0 and status["metrics"]["scrapedPods"] >= 1
     row = next(r for r in cluster.kubectl("get", "kvis", "-n", NS).stdout.splitlines() if r.startswith(NAME))
@@ -151,14 +137,14 @@ def test_max_num_seqs_grows_live_under_load(cluster, kube, load):
 
 
 def test_autoscaler_adds_a_replica_under_load(cluster, kube, load):
-    _wait(cluster, kube, lambda: _status(kube).get("readyReplicas") == 2, ENGINE_READY_S + 120,
+    _wait(cluster, kube, lambda: service_status(kube, NS, NAME).get("readyReplicas") == 2, ENGINE_READY_S + 120,
           "a second replica under load")
     assert kube.get_inference_service(NS, NAME)["spec"]["replicas"] == 2
-    assert "scaling up 1 → 2" in _events(cluster, "Scaled")
+    assert "scaling up 1 → 2" in service_events(cluster, NS, NAME, "Scaled")
     # The new pod started with the tuned value from the ConfigMap, no push needed.
-    tuned = _status(kube)["engine"]["maxNumSeqs"]
-    _wait(cluster, kube, lambda: all(_engine_max_num_seqs(p) == _status(kube)["engine"]["maxNumSeqs"]
-                                     for p in _engine_pods(kube) if _ready(p)), 60,
+    tuned = service_status(kube, NS, NAME)["engine"]["maxNumSeqs"]
+    _wait(cluster, kube, lambda: all(_engine_max_num_seqs(p) == service_status(kube, NS, NAME)["engine"]["maxNumSeqs"]
+                                     for p in engine_pods(kube, NS, NAME) if pod_ready(p)), 60,
           f"both engines to run maxNumSeqs {tuned}")
 
 
@@ -176,23 +162,24 @@ def _engine_pid(pod_ip: str) -> int:
 
 
 def test_a_pod_that_stops_answering_metrics_is_reported_and_tuning_goes_on(cluster, kube, load):
-    pods = sorted((p for p in _engine_pods(kube) if _ready(p)), key=lambda p: p["metadata"]["name"])
+    pods = sorted((p for p in engine_pods(kube, NS, NAME) if pod_ready(p)), key=lambda p: p["metadata"]["name"])
     assert len(pods) == 2
     frozen = pods[0]
-    tuned_at = _status(kube)["tuning"]["time"]
+    tuned_at = service_status(kube, NS, NAME)["tuning"]["time"]
     pid = _engine_pid(frozen["status"]["podIP"])
     os.kill(pid, signal.SIGSTOP)
     try:
         def reported():
-            metrics = _status(kube).get("metrics") or {}
+            metrics = service_status(kube, NS, NAME).get("metrics") or {}
             return frozen["metadata"]["name"] in metrics.get("unscrapedPods", []) or \
-                frozen["metadata"]["name"] in _events(cluster, "MetricsUnavailable")
+                frozen["metadata"]["name"] in service_events(cluster, NS, NAME, "MetricsUnavailable")
 
         _wait(cluster, kube, reported, 40, "the unresponsive pod in status or Events")
-        _wait(cluster, kube, lambda: _status(kube)["tuning"]["time"] != tuned_at, 30, "tuning to go on")
+        _wait(cluster, kube, lambda: service_status(kube, NS, NAME)["tuning"]["time"] != tuned_at, 30,
+              "tuning to go on")
     finally:
         os.kill(pid, signal.SIGCONT)
-    _wait(cluster, kube, lambda: len([p for p in _engine_pods(kube) if _ready(p)]) == 2, 120,
+    _wait(cluster, kube, lambda: len([p for p in engine_pods(kube, NS, NAME) if pod_ready(p)]) == 2, 120,
           "the pod to be Ready again")
 
 
@@ -203,16 +190,16 @@ def test_autoscaler_removes_the_replica_after_the_load_drops_without_failing_req
     load.resize(1, pause=0.5)
     _wait(cluster, kube, lambda: kube.get_inference_service(NS, NAME)["spec"]["replicas"] == 1,
           SCALE_DOWN_WINDOW_S + 120, "the autoscaler to scale down")
-    _wait(cluster, kube, lambda: len(_engine_pods(kube)) == 1, 120, "the extra pod to go")
+    _wait(cluster, kube, lambda: len(engine_pods(kube, NS, NAME)) == 1, 120, "the extra pod to go")
     time.sleep(3)
-    assert "scaling down 2 → 1" in _events(cluster, "Scaled")
+    assert "scaling down 2 → 1" in service_events(cluster, NS, NAME, "Scaled")
     assert load.failures[failures_before:] == []
     assert load.ok > 0
 
 
 def test_a_ttft_slo_broken_by_queueing_adds_a_replica_not_a_larger_batch(cluster, kube, load):
     assert kube.get_inference_service(NS, NAME)["spec"]["replicas"] == 1
-    tuned = _status(kube)["engine"]["maxNumSeqs"]
+    tuned = service_status(kube, NS, NAME)["engine"]["maxNumSeqs"]
     # Only a TTFT SLO, far below what requests queueing for one replica's batch wait.
     cluster.kubectl("patch", "kvis", NAME, "-n", NS, "--type", "merge", "-p", json.dumps(
         {"spec": {"tuning": {"slo": {"itlP99Seconds": None, "ttftP99Seconds": 0.1}}}}))
@@ -220,7 +207,7 @@ def test_a_ttft_slo_broken_by_queueing_adds_a_replica_not_a_larger_batch(cluster
     engine_values, reasons = [], []
 
     def scaled_out_while_the_tuner_held():
-        status = _status(kube)
+        status = service_status(kube, NS, NAME)
         engine_values.append(status["engine"]["maxNumSeqs"])
         reasons.append(status["tuning"]["reason"])
         return kube.get_inference_service(NS, NAME)["spec"]["replicas"] == 2 and \
@@ -228,5 +215,6 @@ def test_a_ttft_slo_broken_by_queueing_adds_a_replica_not_a_larger_batch(cluster
 
     _wait(cluster, kube, scaled_out_while_the_tuner_held, 180, "a replica added for the TTFT, the batch held")
     assert max(engine_values) <= tuned, engine_values  # the old tuner grew the batch for a TTFT-only SLO
-    scaled = [m for m in _events(cluster, "Scaled").splitlines() if "scaling up 1 → 2" in m and "TTFT P99" in m]
+    scaled = [m for m in service_events(cluster, NS, NAME, "Scaled").splitlines()
+              if "scaling up 1 → 2" in m and "TTFT P99" in m]
     assert scaled and "of it queueing, with ITL within its SLO: one more replica" in scaled[-1], scaled
