@@ -756,7 +756,7 @@ def _growth_bound(w: _Window, aim: _Aim) -> _Aim | Decision:
     gain = _measured_gain(recent, m, bad)
     if gain is not None and abs(gain) < w.config.bracket_gain:
         return w.decide(w.settings, f"{w.where} meets {w.slo_text}; {bad}, confirmed over it lately, served "
-                                    f"{gain:+.0%} against {m}, short of the {w.config.bracket_gain:.0%} worth the "
+                                    f"{gain:+.1%} against {m}, short of the {w.config.bracket_gain:.0%} worth the "
                                     f"risk of the SLO: holding{w.why}")
     return replace(aim, best=min(best, bad - 1, max(m + 1, math.floor(math.sqrt(m * bad)))))
 
