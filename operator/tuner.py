@@ -26,17 +26,19 @@ A pure function, in four named steps, each testable on synthetic streams:
    further growth while most of a window's requests began before it); no growth without a queue
    (more sequences would not raise throughput) or past what the KV cache holds at the observed
    lengths, nor back to a setting confirmed over the SLO lately (towards one only for a measured gain
-   of 10%, halfway at most); a move that reverses the last one waits for a second window at the setting (a decrease
-   ahead of the load, which held nothing back, is no verdict to reverse); when no setting
+   of 10%, halfway at most); a move that reverses the last one waits for a second window at the
+   setting (a decrease ahead of the load, which held nothing back, is no verdict to reverse); two
+   windows over the SLO overrule a prediction that keeps the setting; when no setting
    within the bounds is predicted to meet the SLO for the batch's own steps, or for steps carrying
    prefill while the window's decode steps alone break it, the tuner measures a smaller one unless the
    windows already show none below can (``_probe_below``: the fit is a line, the cost concave),
    then says so and keeps the setting with the best saturated goodput it has seen (below saturation,
    the setting it has) instead of walking down to the minimum (replicas are the cure).
-4. **Move** (``_step``, ``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most ×4
-   up per interval (×2 until the slope is measured) and down to ÷4 of the running batch (a decrease acts in the engine's next step: it
-   preempts the excess), and a cut aims at the SLO with the least margin, no deeper than the window's
-   own P99, carried along the fitted curve, needs (``_cut``); overloaded (requests turned away),
+4. **Move** (``_step``, ``_move``): to the largest ``max_num_seqs`` predicted to meet the target, at most
+   ×4 up per interval (×2 until the slope is measured) and down to ÷4 of the running batch (a decrease
+   acts in the engine's next step: it preempts the excess), and a cut aims at the SLO with the least
+   margin, no deeper than the window's own P99, carried along the fitted curve, needs (``_cut``);
+   overloaded (requests turned away),
    growth as far as that same curve through the window's own point allows. While the batch stays
    below ``max_num_seqs`` the setting holds nothing back, so it waits for the load at the largest
    setting predicted to meet the target once the batch fills (``_ahead``), and a burst fills only
