@@ -1,9 +1,14 @@
 """What the end-to-end modules read back about an InferenceService on the cluster: its engine pods, its
-status, its Events, and a `kvpilot serve` flag of an engine pod."""
+status, its Events, a `kvpilot serve` flag of an engine pod, and the maxNumSeqs an engine runs with."""
 
 from __future__ import annotations
 
+import httpx
+
+from kvpilot import engine_contract as contract
+from kvpilot.kube_contract import pod_url
 from kvpilot.operator import builders
+from kvpilot.operator.engine_metrics import parse_snapshot
 from kvpilot.operator.kube import Kube
 
 
@@ -29,3 +34,9 @@ def engine_arg(pod_or_template: dict, flag: str) -> str:
     """The value of one `kvpilot serve` flag in an engine pod's (or pod template's) arguments."""
     args = pod_or_template["spec"]["containers"][0]["args"]
     return args[args.index(flag) + 1]
+
+
+def engine_max_num_seqs(pod: dict) -> int:
+    """The maxNumSeqs the engine runs with, from its own /metrics."""
+    text = httpx.get(f"{pod_url(pod['status']['podIP'])}/metrics", timeout=10).text
+    return int(parse_snapshot(text, 0.0).gauges[contract.MAX_NUM_SEQS])

@@ -27,16 +27,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpilot import engine_contract as contract
 from kvpilot.localcluster import components
 from kvpilot.localcluster.cluster import Health
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders
-from kvpilot.kube_contract import pod_ready
-from kvpilot.operator.engine_metrics import parse_snapshot
+from kvpilot.kube_contract import pod_ready, pod_url
 from kvpilot.operator.spec import EngineSettings, parse_spec
 
-from .service_reads import engine_arg, engine_pods, service_status
+from .service_reads import engine_arg, engine_max_num_seqs, engine_pods, service_status
 
 pytestmark = pytest.mark.e2e
 
@@ -89,12 +87,6 @@ def _kv_cache_mib(pod_or_template: dict) -> int:
     return int(engine_arg(pod_or_template, "--kv-cache-memory").removesuffix("MiB"))
 
 
-def _engine_max_num_seqs(pod: dict) -> int:
-    """The maxNumSeqs the engine runs with, from its own /metrics."""
-    text = httpx.get(f"http://{pod['status']['podIP']}:{contract.ENGINE_PORT}/metrics", timeout=10).text
-    return int(parse_snapshot(text, 0.0).gauges[contract.MAX_NUM_SEQS])
-
-
 def _operator_restarts(kube) -> int:
     pods = kube.list("v1", "Pod", NS, label_selector=OPERATOR_SELECTOR)
     return sum(s["restartCount"] for p in pods for s in (p.get("status") or {}).get("containerStatuses") or [])
@@ -133,7 +125,7 @@ def test_a_rollout_converges_through_api_server_and_etcd_restarts(
         mib = 65 + round_
         restarts_before = _operator_restarts(kube)
         old_pod = engine_pods(kube, NS, NAME)[0]
-        old_url = f"http://{old_pod['status']['podIP']}:{contract.ENGINE_PORT}"
+        old_url = pod_url(old_pod['status']['podIP'])
         with httpx.Client(timeout=60) as client:
             model = client.get(f"{old_url}/v1/models").json()["data"][0]["id"]
             cluster.kubectl("patch", "kvis", NAME, "-n", NS, "--type", "merge",
@@ -156,7 +148,7 @@ def test_a_rollout_converges_through_api_server_and_etcd_restarts(
         assert children["Secret"]["data"] == token  # the engines' admin token is never regenerated
         assert children["ConfigMap"]["data"] == tuning  # the tuned state, not the spec's 16
         assert service_status(kube, NS, NAME)["engine"]["maxNumSeqs"] == TUNED_MAX_NUM_SEQS
-        assert _engine_max_num_seqs(engine_pods(kube, NS, NAME)[0]) == TUNED_MAX_NUM_SEQS  # read at start from the file
+        assert engine_max_num_seqs(engine_pods(kube, NS, NAME)[0]) == TUNED_MAX_NUM_SEQS  # read at start from the file
         rows.append((" + ".join(fault), back_at - stopped_at, converged_at - back_at,
                      _operator_restarts(kube) - restarts_before))
 

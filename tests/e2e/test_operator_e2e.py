@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from kvpilot.engine_contract import API_KEY_ENV, CHAT_TEMPLATE_ENV
-from kvpilot.kube_contract import pod_ready
+from kvpilot.kube_contract import pod_ready, pod_url
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
 from kvpilot.operator.kube import Kube
@@ -197,7 +197,7 @@ def test_example_becomes_children_and_serves(cluster, kube, operator, tiny_spec)
     assert status["engine"]["maxNumSeqs"] == 16
 
     (pod,) = engine_pods(kube, NS, "tiny")
-    response = httpx.post(f"http://{pod['status']['podIP']}:8000/v1/completions",
+    response = httpx.post(f"{pod_url(pod['status']['podIP'])}/v1/completions",
                           json={"model": "tiny", "prompt": "Hello", "max_tokens": 4}, timeout=60)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4

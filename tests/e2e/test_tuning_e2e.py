@@ -17,16 +17,13 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from kvpilot import engine_contract as contract
 from kvpilot.kube_contract import pod_ready
 from kvpilot.localcluster.testing import wait_until
 from kvpilot.operator import builders, crd
-from kvpilot.operator.engine_metrics import parse_snapshot
 
-from .service_reads import engine_pods, service_events, service_status
+from .service_reads import engine_max_num_seqs, engine_pods, service_events, service_status
 
 pytestmark = pytest.mark.e2e
 
@@ -108,11 +105,6 @@ def load(engine_load, service):
         yield running
 
 
-def _engine_max_num_seqs(pod: dict) -> int:
-    text = httpx.get(f"http://{pod['status']['podIP']}:{contract.ENGINE_PORT}/metrics", timeout=10).text
-    return int(parse_snapshot(text, 0.0).gauges[contract.MAX_NUM_SEQS])
-
-
 def test_max_num_seqs_grows_live_under_load(cluster, kube, load):
     (before,) = [p for p in engine_pods(kube, NS, NAME) if pod_ready(p)]
     _wait(cluster, kube, lambda: (service_status(kube, NS, NAME).get("engine") or {}).get("maxNumSeqs", 2) > 2, 180,
@@ -123,7 +115,7 @@ def test_max_num_seqs_grows_live_under_load(cluster, kube, load):
     assert after["metadata"]["uid"] == before["metadata"]["uid"]
     assert all(c.get("restartCount", 0) == 0 for c in after["status"]["containerStatuses"])
     _wait(cluster, kube,
-          lambda: _engine_max_num_seqs(after) == service_status(kube, NS, NAME)["engine"]["maxNumSeqs"], 30,
+          lambda: engine_max_num_seqs(after) == service_status(kube, NS, NAME)["engine"]["maxNumSeqs"], 30,
           "the engine to run the tuned maxNumSeqs")
     configmap = kube.get("v1", "ConfigMap", NS, builders.tuning_configmap_name(NAME))
     assert json.loads(configmap["data"]["tuning.json"])["maxNumSeqs"] >= tuned
@@ -143,7 +135,7 @@ def test_autoscaler_adds_a_replica_under_load(cluster, kube, load):
     assert "scaling up 1 → 2" in service_events(cluster, NS, NAME, "Scaled")
     # The new pod started with the tuned value from the ConfigMap, no push needed.
     tuned = service_status(kube, NS, NAME)["engine"]["maxNumSeqs"]
-    _wait(cluster, kube, lambda: all(_engine_max_num_seqs(p) == service_status(kube, NS, NAME)["engine"]["maxNumSeqs"]
+    _wait(cluster, kube, lambda: all(engine_max_num_seqs(p) == service_status(kube, NS, NAME)["engine"]["maxNumSeqs"]
                                      for p in engine_pods(kube, NS, NAME) if pod_ready(p)), 60,
           f"both engines to run maxNumSeqs {tuned}")
 
