@@ -102,6 +102,17 @@ def llama_decode(bin_dir: Path, gguf: Path, batch: int, threads: int) -> dict:
     return {"decode_tokens_per_second": row["speed_tg"], "prefill_seconds": row["t_pp"]}
 
 
+def llama_build(bin_dir: Path) -> str:
+    """The instruction sets llama.cpp was built for, from its CMake cache: GGML_NATIVE=ON is this
+    CPU's; an AVX2-only build (GGML_NATIVE=OFF, GGML_AVX512=OFF) is the peer of an emulated AVX2 run."""
+    cache = bin_dir.parent / "CMakeCache.txt"
+    if not cache.exists():
+        return "unknown (no CMakeCache.txt beside its bin folder)"
+    options = [line.split(":", 1)[0] + "=" + line.rsplit("=", 1)[1] for line in cache.read_text().splitlines()
+               if line.startswith(("GGML_NATIVE:", "GGML_AVX", "GGML_FMA:", "GGML_AMX"))]
+    return " ".join(options)
+
+
 def cold_start(command: list[str], port: int) -> float:
     """Seconds from exec to /health answering 200."""
     start = time.perf_counter()
@@ -140,6 +151,7 @@ def main() -> int:
               "(about 12 minutes on 2 cores) and pass --llama-bin")
         return 2
     print(f"machine: {cpu_description()}; {args.threads} threads each; file {gguf.name}")
+    print(f"llama.cpp built with {llama_build(args.llama_bin)}")
     systems = ["kvpilot", "llama.cpp"]
     runs: list[dict] = []
     for round_ in range(args.repeat):
@@ -164,7 +176,9 @@ def main() -> int:
             runs.append({"round": round_, "what": "cold start", "system": system, "seconds": seconds})
             print(f"  round {round_ + 1} cold start {system:9s} {seconds:6.2f} s to /health", flush=True)
 
-    print(f"\nresults (median [min-max] over {args.repeat} rounds; ratio of medians, kvpilot / llama.cpp)")
+    print(f"\nmachine: {cpu_description()}")
+    print(f"llama.cpp built with {llama_build(args.llama_bin)}")
+    print(f"results (median [min-max] over {args.repeat} rounds; ratio of medians, kvpilot / llama.cpp)")
     whats = [f"decode batch {b}" for b in args.batches] + ([] if args.skip_cold_start else ["cold start"])
     for what in whats:
         key = "seconds" if what == "cold start" else "decode_tokens_per_second"
@@ -174,7 +188,8 @@ def main() -> int:
         print(f"  {what:15s} kvpilot {summary(values['kvpilot'])} {unit}, llama.cpp {summary(values['llama.cpp'])} "
               f"{unit}: x{ratio:.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"machine": cpu_description(), "threads": args.threads, "runs": runs}, indent=1))
+        args.json.write_text(json.dumps({"machine": cpu_description(), "llama_build": llama_build(args.llama_bin),
+                                           "threads": args.threads, "runs": runs}, indent=1))
         print(f"json: {args.json}")
     return 0
 

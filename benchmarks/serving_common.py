@@ -48,13 +48,22 @@ NO_TARGET_WAIT_S = 0.5
 
 
 def cpu_description() -> str:
-    """The CPU model, core count and AVX flags, printed with every CPU result (machines differ)."""
+    """The CPU model, core count and AVX and AMX flags, printed with every CPU result (machines differ), and
+    what a run without some of them (scripts/as-avx2.sh) took away: such a run is an emulation."""
     from kvpilot.kernels import cpu_features
 
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
-    avx = " ".join(sorted(f for f in cpu_features.cpu_flags_line().split() if "avx" in f)) or "no avx"
-    return f"{model}, {os.cpu_count()} CPUs, flags: {avx}"
+    flags = cpu_features.cpu_flags_line().split()
+    avx = " ".join(sorted(f for f in flags if "avx" in f or f.startswith("amx"))) or "no avx"
+    description = f"{model}, {os.cpu_count()} CPUs, flags: {avx}"
+    removed = " ".join(sorted(cpu_features.detect().removed & set(flags)))
+    limits = [f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+              if name in os.environ]
+    if removed or limits:
+        description += (f"; EMULATED, run without: {removed or 'nothing'} ({cpu_features.ENV})"
+                        + "".join(f", {limit}" for limit in limits))
+    return description
 
 
 def native_dtype() -> str:

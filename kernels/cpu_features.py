@@ -22,7 +22,7 @@ ENV = "KVPILOT_CPU_FEATURES"
 # Removing a feature removes the ones built on it; each maps to the gcc flag that turns it off.
 _IMPLIED = {
     "avx2": ("avx512f", "avx_vnni", "fma"),
-    "avx512f": ("avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"),
+    "avx512f": ("avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"),
 }
 _GCC_OFF = {
     "avx2": "-mno-avx2",
@@ -36,6 +36,7 @@ _GCC_OFF = {
     "avx_vnni": "-mno-avxvnni",
     "amx_tile": "-mno-amx-tile",
     "amx_bf16": "-mno-amx-bf16",
+    "amx_int8": "-mno-amx-int8",
 }
 
 
@@ -98,6 +99,8 @@ def parse(cpu_flags: str, override: str = "") -> CpuFeatures:
             name = stack.pop()
             removed.add(name)
             stack.extend(_IMPLIED.get(name, ()))
+            if name == "avx512f":  # every AVX-512 extension (FP16, VBMI, IFMA, ...) builds on its foundation
+                stack.extend(f for f in flags if f.startswith("avx512") and f not in removed)
     return CpuFeatures(frozenset(flags - removed), frozenset(removed))
 
 

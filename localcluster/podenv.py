@@ -36,7 +36,8 @@ from kvpilot.localcluster.api import ApiError, KubeApi
 from kvpilot.localcluster.kubeconfig import write_token_kubeconfig
 from kvpilot.localcluster.nodes import CAPACITY
 
-BASE_ENV_NAMES = ("HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER")
+# The host's base, and the instruction sets torch and oneDNN may use (scripts/as-avx2.sh sets them).
+BASE_ENV_NAMES = ("HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 
 class ContainerConfigError(RuntimeError):
