@@ -69,3 +69,18 @@ def test_dtype_auto_follows_the_cpu(saved, cpu, expected):
     from kvpilot.engine.startup import auto_cpu_dtype
 
     assert auto_cpu_dtype(saved, cpu_features.parse(cpu)) == expected
+
+
+@pytest.mark.skipif(not cpu_features.parse(cpu_features.cpu_flags_line()).has("avx2"), reason="no AVX2 to run as")
+def test_as_avx2_runs_kvpilot_torch_and_onednn_without_avx512():
+    """scripts/as-avx2.sh: kvpilot's features, torch's ATen kernels and oneDNN's all stop at AVX2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "as-avx2.sh"
+    probe = ("import os, torch; from kvpilot.kernels import cpu_features as c; f = c.detect(); "
+             "print(f.avx512, f.has('avx_vnni'), f.int8_matmul_isa, torch.backends.cpu.get_cpu_capability(), "
+             "os.environ['ONEDNN_MAX_CPU_ISA'])")
+    out = subprocess.run([str(script), sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "avx2", "AVX2", "AVX2"]
