@@ -82,5 +82,5 @@ def test_as_avx2_runs_kvpilot_torch_and_onednn_without_avx512():
     probe = ("import os, torch; from kvpilot.kernels import cpu_features as c; f = c.detect(); "
              "print(f.avx512, f.has('avx_vnni'), f.int8_matmul_isa, torch.backends.cpu.get_cpu_capability(), "
              "os.environ['ONEDNN_MAX_CPU_ISA'])")
-    out = subprocess.run([str(script), sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    out = subprocess.run([str(script), sys.executable, "-P", "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "avx2", "AVX2", "AVX2"]
