@@ -150,8 +150,9 @@ def main() -> int:
         print(f"no llama.cpp in {args.llama_bin}: build it with `bash shared/tools/install-llama-cpp.sh` "
               "(about 12 minutes on 2 cores) and pass --llama-bin")
         return 2
-    print(f"machine: {cpu_description()}; {args.threads} threads each; file {gguf.name}")
-    print(f"llama.cpp built with {llama_build(args.llama_bin)}")
+    machine, build = cpu_description(), llama_build(args.llama_bin)
+    print(f"machine: {machine}; {args.threads} threads each; file {gguf.name}")
+    print(f"llama.cpp built with {build}")
     systems = ["kvpilot", "llama.cpp"]
     runs: list[dict] = []
     for round_ in range(args.repeat):
@@ -176,8 +177,8 @@ def main() -> int:
             runs.append({"round": round_, "what": "cold start", "system": system, "seconds": seconds})
             print(f"  round {round_ + 1} cold start {system:9s} {seconds:6.2f} s to /health", flush=True)
 
-    print(f"\nmachine: {cpu_description()}")
-    print(f"llama.cpp built with {llama_build(args.llama_bin)}")
+    print(f"\nmachine: {machine}")
+    print(f"llama.cpp built with {build}")
     print(f"results (median [min-max] over {args.repeat} rounds; ratio of medians, kvpilot / llama.cpp)")
     whats = [f"decode batch {b}" for b in args.batches] + ([] if args.skip_cold_start else ["cold start"])
     for what in whats:
@@ -188,8 +189,8 @@ def main() -> int:
         print(f"  {what:15s} kvpilot {summary(values['kvpilot'])} {unit}, llama.cpp {summary(values['llama.cpp'])} "
               f"{unit}: x{ratio:.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"machine": cpu_description(), "llama_build": llama_build(args.llama_bin),
-                                           "threads": args.threads, "runs": runs}, indent=1))
+        args.json.write_text(json.dumps({"machine": machine, "llama_build": build, "threads": args.threads,
+                                           "runs": runs}, indent=1))
         print(f"json: {args.json}")
     return 0
 

@@ -503,7 +503,8 @@ def main() -> int:
         models["vllm"] = benchmark_model(args.vllm_model, args.seed)
     points = load_points(args)
     prompts = Prompts(args.seed, tuple(args.prompt_words), args.shared_prefix)
-    print(f"machine: {cpu_description()}", flush=True)
+    machine = cpu_description()
+    print(f"machine: {machine}", flush=True)
     print(f"models {', '.join(f'{s}: {m}' for s, m in models.items())}; {os.cpu_count()} cores; max_num_seqs "
           f"{args.max_num_seqs}; loads {[p.label for p in points]}; {args.output_tokens} output tokens; "
           f"{args.repeat} run(s)", flush=True)
@@ -532,13 +533,13 @@ def main() -> int:
                 finally:
                     server.stop()
     summary = report(results, args)
-    print(f"machine: {cpu_description()}")
+    print(f"machine: {machine}")
     if args.plot is not None:
         plot(results, args, args.plot)
         print(f"plot: {args.plot}")
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "machine": cpu_description(),
+                                         "machine": machine,
                                          "runs": [asdict(r) for r in results]} | summary, indent=1) + "\n")
     return 0
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 ENV = "KVPILOT_CPU_FEATURES"
-# Removing a feature removes the ones built on it; each maps to the gcc flag that turns it off.
+# Removing a feature removes the ones built on it (and removing avx512f every avx512* flag: parse);
+# each maps to the gcc flag that turns it off.
 _IMPLIED = {
     "avx2": ("avx512f", "avx_vnni", "fma"),
-    "avx512f": ("avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"),
+    "avx512f": ("amx_tile", "amx_bf16", "amx_int8"),
 }
 _GCC_OFF = {
     "avx2": "-mno-avx2",
